@@ -1,0 +1,42 @@
+"""compile_rng: functional, SPMD-correct Philox random numbers for torch.compile.
+
+Public API:
+
+* :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
+  state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
+* :func:`backend` - ``torch.compile(fn, backend=compile_rng.backend(...))``; also
+  registered as ``backend="compile_rng"``.
+* :mod:`compile_rng.ops` - the functional ops (``torch.ops.compile_rng.*``) and the
+  canonical stream they implement (:mod:`compile_rng.stream`).
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _mount_source_passes() -> None:
+    # The passes live in the checkout's top-level passes/ folder, installed as
+    # compile_rng.passes. When compile_rng itself is imported from a source checkout
+    # (python -m from the repo root), mount that folder under the same name.
+    if "compile_rng.passes" in sys.modules or importlib.util.find_spec(__name__ + ".passes"):
+        return
+    folder = Path(__file__).resolve().parent.parent / "passes"
+    spec = importlib.util.spec_from_file_location(
+        __name__ + ".passes", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_mount_source_passes()
+
+from . import ops, stream  # noqa: E402
+from .backend import backend  # noqa: E402
+from .state import get_state, install_manual_seed_hook, manual_seed, set_state
+
+install_manual_seed_hook()
+
+__all__ = ["backend", "get_state", "manual_seed", "ops", "set_state", "stream"]
+__version__ = "0.1.0"

@@ -1,0 +1,179 @@
+"""The ``torch.compile`` backend: capture -> functionalize random ops -> inner compiler -> run.
+
+The backend appends one input, the rng ``key`` (``[seed, base]`` int64), to the Dynamo
+graph; AOTAutograd carries it into the joint graph, where
+:func:`compile_rng.passes.functionalize_rng.functionalize_rng` rewrites every random op
+to read it. At run time a thin wrapper reserves the graph's total advance from the
+state *before* calling the compiled graph (so a call that raises still consumed its
+counters: the state is always "advanced by the whole graph") and passes the key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from compile_rng.passes.functionalize_rng import HANDLED_OPS, RngPlan, functionalize_rng
+
+from . import state
+from .ops import make_key
+
+MODES = ("tracker",)
+INNERS = ("inductor", "aot_eager")
+
+
+def _caches_off():
+    # The pass's result (the total advance) lives outside the compiled artifact, so a
+    # cached artifact would come back without it: compile_rng graphs bypass the FX
+    # graph and AOTAutograd caches (Inductor's compiled-kernel cache still applies).
+    return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    mode: str = "tracker"
+    inner: str = "inductor"
+
+
+class _AdvanceFn:
+    """Evaluates the graph's total advance for the actual call arguments."""
+
+    def __init__(self, expr: sympy.Expr, placeholders: Sequence[fx.Node]):
+        self.expr = sympy.sympify(expr)
+        self.constant = int(self.expr) if self.expr.is_Integer else None
+        self.bindings: list[tuple[sympy.Symbol, int, int | None]] = []
+        needed = self.expr.free_symbols
+        for i, node in enumerate(placeholders):
+            val = node.meta.get("example_value")
+            dims = [(None, val)] if isinstance(val, torch.SymInt) else (
+                list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+            )
+            for dim, v in dims:
+                if isinstance(v, torch.SymInt) and v.node.expr in needed:
+                    self.bindings.append((v.node.expr, i, dim))
+                    needed = needed - {v.node.expr}
+        if needed:
+            raise NotImplementedError(
+                f"compile_rng: the random-op advance {self.expr} depends on {sorted(map(str, needed))}, "
+                "which no graph input provides"
+            )
+
+    def __call__(self, args: Sequence[Any]) -> int:
+        if self.constant is not None:
+            return self.constant
+        env = {
+            sym: int(args[i] if dim is None else args[i].shape[dim]) for sym, i, dim in self.bindings
+        }
+        return int(self.expr.xreplace(env))
+
+
+def _decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {op: fn for op, fn in select_decomp_table().items() if op not in HANDLED_OPS}
+
+
+def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan) -> Callable:
+    rewrite = functools.partial(_rewrite_module, plan=plan)
+    if cfg.inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        from . import lowering  # noqa: F401  (registers the lowerings)
+
+        patches = {"fx_graph_cache": False, "joint_custom_pre_pass": lambda g: functionalize_rng(g, plan)}
+        with _caches_off():
+            return compile_fx(gm, inputs, config_patches=patches, decompositions=_decompositions())
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    def fw(g, _inputs):
+        rewrite(g)
+        return make_boxed_func(g.forward)
+
+    def partition(joint, joint_inputs, **kw):
+        rewrite(joint)
+        return default_partition(joint, joint_inputs, **kw)
+
+    with _caches_off():
+        return aot_autograd(fw_compiler=fw, bw_compiler=fw, partition_fn=partition)(gm, inputs)
+
+
+def _rewrite_module(gm: fx.GraphModule, plan: RngPlan) -> None:
+    functionalize_rng(gm.graph, plan)
+    gm.recompile()
+
+
+def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule, list]:
+    """A copy of ``gm`` with the key placeholder appended, and its example inputs.
+
+    Dynamo keeps using ``gm`` after the backend returns, so it is not modified.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(gm.graph, env)
+    for old, new in env.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None):
+        key = graph.placeholder("compile_rng_key")
+    # AOTAutograd maps Dynamo inputs to user sources; the key has none (like the
+    # intermediate inputs DDPOptimizer creates).
+    key._dynamo_source = None
+    graph.output(output)
+    example = make_key(0, 0)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is not None:
+        example = fake_mode.from_tensor(example)
+    key.meta["example_value"] = key.meta["val"] = example
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new_gm._param_name_to_source = gm._param_name_to_source
+    return new_gm, [*example_inputs, example]
+
+
+def _make_backend(cfg: BackendConfig) -> Callable:
+    def compile_rng_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        plan = RngPlan()
+        keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
+        compiled = _compile_inner(cfg, keyed_gm, inputs, plan)
+        advance = _AdvanceFn(plan.total_advance, placeholders)
+
+        def run(*args):
+            seed, offset = state.advance(advance(args))
+            key = make_key(seed, offset)
+            return compiled(*args, key)
+
+        run._compile_rng_plan = plan
+        return run
+
+    compile_rng_backend.config = cfg
+    return compile_rng_backend
+
+
+def backend(mode: str = "tracker", inner: str = "inductor") -> Callable:
+    """A ``torch.compile`` backend that makes every random op functional.
+
+    ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
+    on a one-rank mesh). ``inner`` is the compiler that runs after the pass:
+    ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging).
+    """
+    if mode not in MODES:
+        raise ValueError(f"compile_rng.backend: mode must be one of {MODES}, got {mode!r}")
+    if inner not in INNERS:
+        raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
+    return _make_backend(BackendConfig(mode, inner))
+
+
+#: The backend registered as ``torch.compile(..., backend="compile_rng")``.
+compile_rng_backend = backend()

@@ -1,0 +1,106 @@
+"""Builds and calls the eager CPU Philox kernel (``csrc/philox.c``).
+
+The kernel is plain C (no torch headers), so it compiles in well under a second with
+the C compiler Inductor already needs. The shared object is cached under
+``$COMPILE_RNG_CACHE`` (default ``~/.cache/compile_rng``) by a hash of the source and
+flags; concurrent ranks race safely because each writes a private file and renames it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "philox.c"
+_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-std=c11"]
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise RuntimeError(
+        "compile_rng needs a C compiler for its eager CPU kernel (the same one "
+        "torch.compile's Inductor uses); install gcc or set CC."
+    )
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    cc = _compiler()
+    digest = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("COMPILE_RNG_CACHE", Path.home() / ".cache" / "compile_rng"))
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"philox-{digest}.so"
+    if not target.exists():
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+        os.close(fd)
+        result = subprocess.run(
+            [cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {_SOURCE} with {cc} failed:\n{result.stderr}")
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.cr_philox_words
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64,
+        ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_uint32, ctypes.c_int, ctypes.c_int,
+    ]
+    return lib
+
+
+def philox_words(
+    seed: int,
+    base: int,
+    size: list[int],
+    strides: list[int],
+    *,
+    c2: int = 0,
+    pair: bool = False,
+    lanes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stream words for every element of a ``size``-shaped output (int64 in [0, 2**32)).
+
+    Element ``idx`` has counter ``base + sum(idx[d] * strides[d]) mod 2**64``. Returns
+    ``words`` shaped ``size`` (or ``size + [2]`` with ``pair=True``: the Box-Muller pair
+    ``(W[2p], W[2p+1])`` of the element's lane) and, if requested, the lanes ``n & 3``.
+    ``c2`` selects the third counter word (0 for the canonical stream, 1 for the
+    high halves of 64-bit integers).
+    """
+    numel = 1
+    for s in size:
+        numel *= s
+    words = torch.empty([*size, 2] if pair else list(size), dtype=torch.int64)
+    lane_out = torch.empty(list(size), dtype=torch.int64) if lanes else None
+    if numel:
+        ndim = len(size)
+        arr = ctypes.c_int64 * max(ndim, 1)
+        rc = _library().cr_philox_words(
+            words.data_ptr(),
+            lane_out.data_ptr() if lane_out is not None else None,
+            numel,
+            seed % 2**64,
+            base % 2**64,
+            ndim,
+            arr(*size),
+            arr(*strides),
+            c2,
+            int(pair),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"compile_rng CPU kernel failed (code {rc}, ndim={ndim})")
+    return words, lane_out

@@ -1,0 +1,185 @@
+"""Inductor lowerings of the functional random ops.
+
+Each op becomes one fused ``Pointwise`` node whose ``inner_fn`` builds Philox4x32-10
+with ``ops.*`` once (building rounds from aten integer ops instead makes Inductor
+re-evaluate them recursively and compile time explodes). All integer work is on int64
+values holding uint32 words and never overflows int64 (see ``stream._mulhilo``), so the
+generated C++ has no undefined behaviour. The transforms are the shared definitions in
+:mod:`compile_rng.stream`, so compiled values match the eager kernels.
+
+Import this module to register the lowerings; the backend does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.lowering import register_lowering
+from torch._inductor.virtualized import ops
+
+from . import stream
+from .stream import MASK32
+
+
+class InductorMath:
+    """:class:`compile_rng.stream.Math` on Inductor's ``ops`` handler."""
+
+    const = staticmethod(lambda value, dtype: ops.constant(value, dtype))
+    cast = staticmethod(lambda x, dtype: ops.to_dtype(x, dtype))
+    add = staticmethod(lambda a, b: ops.add(a, b))
+    sub = staticmethod(lambda a, b: ops.sub(a, b))
+    mul = staticmethod(lambda a, b: ops.mul(a, b))
+    mod = staticmethod(lambda a, b: ops.mod(a, b))
+    shr = staticmethod(lambda a, b: ops.bitwise_right_shift(a, b))
+    band = staticmethod(lambda a, b: ops.bitwise_and(a, b))
+    bor = staticmethod(lambda a, b: ops.bitwise_or(a, b))
+    bxor = staticmethod(lambda a, b: ops.bitwise_xor(a, b))
+    lt = staticmethod(lambda a, b: ops.lt(a, b))
+    ge = staticmethod(lambda a, b: ops.ge(a, b))
+    eq = staticmethod(lambda a, b: ops.eq(a, b))
+    where = staticmethod(lambda c, a, b: ops.where(c, a, b))
+    log = staticmethod(lambda a: ops.log(a))
+    sqrt = staticmethod(lambda a: ops.sqrt(a))
+    cos = staticmethod(lambda a: ops.cos(a))
+    sin = staticmethod(lambda a: ops.sin(a))
+
+
+_M = InductorMath()
+_I64 = torch.int64
+
+
+class _Counter:
+    """Per-element Philox words at ``key[1] + offset + sum(idx * strides)``."""
+
+    def __init__(self, key: ir.TensorBox, offset: Any, strides: Sequence[Any]):
+        self.key_loader = key.make_loader()
+        self.offset = sympy.sympify(offset)
+        self.strides = [sympy.sympify(s) for s in strides]
+
+    def _split(self, index: Sequence[sympy.Expr]) -> tuple[Any, Any, Any]:
+        """``(block_lo, block_hi, lane)`` of the element's 64-bit counter.
+
+        The base is a uint64 in an int64; the sum is carried through 32-bit halves so
+        no int64 addition can overflow.
+        """
+        rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
+        rel = ops.index_expr(rel, _I64)
+        base = self.key_loader([sympy.Integer(1)])
+        c = lambda v: _M.const(v, _I64)  # noqa: E731
+        lo = _M.add(_M.band(base, c(MASK32)), _M.band(rel, c(MASK32)))
+        hi = _M.add(_M.band(_M.shr(base, c(32)), c(MASK32)), _M.shr(rel, c(32)))
+        hi = _M.band(_M.add(hi, _M.shr(lo, c(32))), c(MASK32))
+        lo = _M.band(lo, c(MASK32))
+        block_lo = _M.bor(_M.shr(lo, c(2)), _M.mul(_M.band(hi, c(3)), c(1 << 30)))
+        block_hi = _M.shr(hi, c(2))
+        return block_lo, block_hi, _M.band(lo, c(3))
+
+    def block(self, index: Sequence[sympy.Expr], c2: int = 0) -> tuple[list[Any], Any]:
+        seed = self.key_loader([sympy.Integer(0)])
+        key = (
+            _M.band(seed, _M.const(MASK32, _I64)),
+            _M.band(_M.shr(seed, _M.const(32, _I64)), _M.const(MASK32, _I64)),
+        )
+        block_lo, block_hi, lane = self._split(index)
+        ctr = [block_lo, block_hi, _M.const(c2, _I64), _M.const(0, _I64)]
+        return stream.philox4x32_10(_M, ctr, key), lane
+
+    @staticmethod
+    def select(words: Sequence[Any], lane: Any) -> Any:
+        """``words[lane]`` for a lane value in ``[0, len(words))``."""
+        out = words[-1]
+        for i in range(len(words) - 2, -1, -1):
+            out = _M.where(_M.eq(lane, _M.const(i, _I64)), words[i], out)
+        return out
+
+    def word(self, index: Sequence[sympy.Expr], c2: int = 0) -> Any:
+        words, lane = self.block(index, c2)
+        return self.select(words, lane)
+
+
+def _pointwise(
+    key: ir.TensorBox, size: Sequence[Any], dtype: torch.dtype, fn: Callable[[list], Any]
+) -> ir.TensorBox:
+    return ir.Pointwise.create(
+        device=key.get_device_or_error(), dtype=dtype, inner_fn=fn, ranges=list(size)
+    )
+
+
+def _register(op: torch._ops.OpOverload) -> Callable:
+    return register_lowering(op, type_promotion_kind=None)
+
+
+@_register(torch.ops.compile_rng.uniform.default)
+def _uniform(key, offset, size, strides, low, high, dtype):
+    ctr = _Counter(key, offset, strides)
+    return _pointwise(key, size, dtype, lambda idx: stream.uniform(_M, ctr.word(idx), dtype, low, high))
+
+
+@_register(torch.ops.compile_rng.normal.default)
+def _normal(key, offset, size, strides, mean, std, dtype):
+    ctr = _Counter(key, offset, strides)
+
+    def fn(idx):
+        words, lane = ctr.block(idx)
+        pair = _M.shr(lane, _M.const(1, _I64))
+        even = ctr.select([words[0], words[2]], pair)
+        odd = ctr.select([words[1], words[3]], pair)
+        return stream.normal(_M, even, odd, lane, dtype, mean, std)
+
+    return _pointwise(key, size, dtype, fn)
+
+
+@_register(torch.ops.compile_rng.exponential.default)
+def _exponential(key, offset, size, strides, lambd, dtype):
+    ctr = _Counter(key, offset, strides)
+    return _pointwise(key, size, dtype, lambda idx: stream.exponential(_M, ctr.word(idx), dtype, lambd))
+
+
+@_register(torch.ops.compile_rng.bernoulli.default)
+def _bernoulli(key, offset, size, strides, p, dtype):
+    ctr = _Counter(key, offset, strides)
+    return _pointwise(key, size, dtype, lambda idx: stream.bernoulli_scalar(_M, ctr.word(idx), dtype, p))
+
+
+@_register(torch.ops.compile_rng.bernoulli_tensor.default)
+def _bernoulli_tensor(key, offset, p, strides, dtype):
+    ctr = _Counter(key, offset, strides)
+    load_p = p.make_loader()
+    return _pointwise(
+        key, p.get_size(), dtype,
+        lambda idx: stream.bernoulli_tensor(_M, ctr.word(idx), load_p(idx), dtype),
+    )
+
+
+@_register(torch.ops.compile_rng.dropout.default)
+def _dropout(key, offset, x, strides, p):
+    ctr = _Counter(key, offset, strides)
+    load_x = x.make_loader()
+    size, dtype = x.get_size(), x.get_dtype()
+    # Two pointwise nodes recomputing the same words: Inductor fuses them into one loop.
+    keep = lambda idx: stream.dropout_keep(_M, ctr.word(idx), p)  # noqa: E731
+    out = _pointwise(key, size, dtype, lambda idx: stream.dropout_apply(_M, load_x(idx), keep(idx), dtype, p))
+    return out, _pointwise(key, size, torch.bool, keep)
+
+
+@_register(torch.ops.compile_rng.randint.default)
+def _randint(key, offset, size, strides, low, high, dtype):
+    ctr = _Counter(key, offset, strides)
+
+    def fn(idx):
+        w_high = ctr.word(idx, c2=1) if stream.needs_high_word(low, high) else None
+        return stream.randint(_M, ctr.word(idx), w_high, dtype, low, high)
+
+    return _pointwise(key, size, dtype, fn)
+
+
+@_register(torch.ops.compile_rng.random_bits.default)
+def _random_bits(key, offset, size, strides):
+    ctr = _Counter(key, offset, strides)
+    return _pointwise(
+        key, size, _I64, lambda idx: stream.random_bits(_M, ctr.word(idx), ctr.word(idx, c2=1))
+    )

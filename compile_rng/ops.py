@@ -1,0 +1,229 @@
+"""The functional random ops (``torch.ops.compile_rng.*``).
+
+Every op is a pure function of its arguments. The shared leading arguments say which
+counters the output's elements get:
+
+* ``key``: int64 tensor ``[seed, base]`` (uint64 values stored two's complement) on
+  the output's device. Compiled graphs receive it as an input; nothing is read from a
+  generator.
+* ``offset``: added to ``base``.
+* ``strides``: counter strides, one per output dim. Element ``idx`` has counter
+  ``base + offset + sum(idx[d] * strides[d])`` (mod 2**64). Contiguous strides give a
+  plain stream (tracker mode); the strides of a larger global tensor, with the shard's
+  start folded into ``offset``, give a shard of it (invariant mode).
+
+Values follow canonical stream v1 (:mod:`compile_rng.stream`). Each op has an eager CPU
+kernel here, a fake kernel for tracing, and an Inductor lowering in
+:mod:`compile_rng.lowering`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import stream
+from .cpu_kernel import philox_words
+from .state import UINT64
+
+_M = stream.TensorMath()
+
+
+def _key_values(key: torch.Tensor, offset: int) -> tuple[int, int]:
+    if key.device.type != "cpu":
+        raise NotImplementedError(
+            f"compile_rng: eager kernels run on CPU only (key is on {key.device}); "
+            "compile the function with backend='compile_rng' to run on this device"
+        )
+    seed, base = (int(v) % UINT64 for v in key.tolist())
+    return seed, (base + offset) % UINT64
+
+
+def _check_layout(op: str, size: Sequence[int], strides: Sequence[int]) -> None:
+    if len(size) != len(strides):
+        raise ValueError(f"compile_rng.{op}: size {list(size)} and strides {list(strides)} differ in rank")
+    if any(s < 0 for s in strides):
+        raise ValueError(f"compile_rng.{op}: counter strides must be non-negative, got {list(strides)}")
+
+
+def _words(key, offset, size, strides, op, **kw):
+    _check_layout(op, size, strides)
+    seed, base = _key_values(key, offset)
+    return philox_words(seed, base, list(size), list(strides), **kw)
+
+
+def _check_float(op: str, dtype: torch.dtype) -> None:
+    if dtype not in stream.FLOAT_DTYPES:
+        raise TypeError(
+            f"compile_rng.{op}: dtype {dtype} is not supported; use one of "
+            f"{', '.join(str(d) for d in stream.FLOAT_DTYPES)}"
+        )
+
+
+def _empty(key: torch.Tensor, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(list(size), dtype=dtype, device=key.device)
+
+
+# --- uniform ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::uniform", mutates_args=())
+def uniform(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+    low: float, high: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Uniform values in ``[low, high)``."""
+    _check_float("uniform", dtype)
+    w, _ = _words(key, offset, size, strides, "uniform")
+    return stream.uniform(_M, w, dtype, low, high)
+
+
+@uniform.register_fake
+def _(key, offset, size, strides, low, high, dtype):
+    return _empty(key, size, dtype)
+
+
+# --- normal ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::normal", mutates_args=())
+def normal(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+    mean: float, std: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Normal values (Box-Muller, canonical lanes)."""
+    _check_float("normal", dtype)
+    w, lanes = _words(key, offset, size, strides, "normal", pair=True, lanes=True)
+    return stream.normal(_M, w[..., 0], w[..., 1], lanes, dtype, mean, std)
+
+
+@normal.register_fake
+def _(key, offset, size, strides, mean, std, dtype):
+    return _empty(key, size, dtype)
+
+
+# --- exponential -----------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::exponential", mutates_args=())
+def exponential(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+    lambd: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Exponential values with rate ``lambd``."""
+    _check_float("exponential", dtype)
+    w, _ = _words(key, offset, size, strides, "exponential")
+    return stream.exponential(_M, w, dtype, lambd)
+
+
+@exponential.register_fake
+def _(key, offset, size, strides, lambd, dtype):
+    return _empty(key, size, dtype)
+
+
+# --- bernoulli -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::bernoulli", mutates_args=())
+def bernoulli(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+    p: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """1 with probability ``p``, else 0, in ``dtype``."""
+    w, _ = _words(key, offset, size, strides, "bernoulli")
+    return stream.bernoulli_scalar(_M, w, dtype, p)
+
+
+@bernoulli.register_fake
+def _(key, offset, size, strides, p, dtype):
+    return _empty(key, size, dtype)
+
+
+@torch.library.custom_op("compile_rng::bernoulli_tensor", mutates_args=())
+def bernoulli_tensor(
+    key: torch.Tensor, offset: int, p: torch.Tensor, strides: Sequence[int], dtype: torch.dtype,
+) -> torch.Tensor:
+    """Elementwise bernoulli with probabilities ``p`` (output shaped like ``p``)."""
+    w, _ = _words(key, offset, p.shape, strides, "bernoulli_tensor")
+    return stream.bernoulli_tensor(_M, w, p, dtype)
+
+
+@bernoulli_tensor.register_fake
+def _(key, offset, p, strides, dtype):
+    return _empty(key, p.shape, dtype)
+
+
+# --- dropout ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::dropout", mutates_args=())
+def dropout(
+    key: torch.Tensor, offset: int, x: torch.Tensor, strides: Sequence[int], p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * keep / (1 - p), keep)`` like ``aten.native_dropout`` in training mode."""
+    _check_float("dropout", x.dtype)
+    w, _ = _words(key, offset, x.shape, strides, "dropout")
+    keep = stream.dropout_keep(_M, w, p)
+    return stream.dropout_apply(_M, x, keep, x.dtype, p), keep
+
+
+@dropout.register_fake
+def _(key, offset, x, strides, p):
+    return _empty(key, x.shape, x.dtype), _empty(key, x.shape, torch.bool)
+
+
+# --- integers --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compile_rng::randint", mutates_args=())
+def randint(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+    low: int, high: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Integers in ``[low, high)``; ``high - low`` at most 2**63."""
+    if not 0 < high - low <= 2**63:
+        raise ValueError(f"compile_rng.randint: need 0 < high - low <= 2**63, got [{low}, {high})")
+    w, _ = _words(key, offset, size, strides, "randint")
+    w_high = None
+    if stream.needs_high_word(low, high):
+        w_high, _ = _words(key, offset, size, strides, "randint", c2=1)
+    return stream.randint(_M, w, w_high, dtype, low, high)
+
+
+@randint.register_fake
+def _(key, offset, size, strides, low, high, dtype):
+    return _empty(key, size, dtype)
+
+
+@torch.library.custom_op("compile_rng::random_bits", mutates_args=())
+def random_bits(
+    key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+) -> torch.Tensor:
+    """Raw 64-bit values as int64 (two's complement)."""
+    w, _ = _words(key, offset, size, strides, "random_bits")
+    w_high, _ = _words(key, offset, size, strides, "random_bits", c2=1)
+    return stream.random_bits(_M, w, w_high)
+
+
+@random_bits.register_fake
+def _(key, offset, size, strides):
+    return _empty(key, size, torch.int64)
+
+
+def make_key(seed: int, base: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement)."""
+    def signed(v: int) -> int:
+        v %= UINT64
+        return v - UINT64 if v >= 2**63 else v
+
+    return torch.tensor([signed(seed), signed(base)], dtype=torch.int64, device=device)
+
+
+def contiguous_strides(size: Sequence[int]) -> list[int]:
+    """Row-major strides of ``size``: the counter layout of a plain stream."""
+    strides, acc = [], 1
+    for s in reversed(list(size)):
+        strides.append(acc)
+        acc *= s
+    return strides[::-1]

@@ -1,0 +1,1 @@
+"""Graph passes of compile_rng (installed as ``compile_rng.passes``)."""
