@@ -217,7 +217,9 @@ def randint(m: Math, w: Any, w_high: Any | None, dtype: torch.dtype, low: int, h
     if needs_high_word(low, high):
         hi31 = m.band(w_high, m.const(0x7FFFFFFF, i64))
         w = m.add(m.mul(hi31, m.const(2**32, i64)), w)
-    return m.cast(m.add(m.mod(w, m.const(span, i64)), m.const(low, i64)), dtype)
+    if span < 2**63:  # a span of exactly 2**63 keeps all 63 bits
+        w = m.mod(w, m.const(span, i64))
+    return m.cast(m.add(w, m.const(low, i64)), dtype)
 
 
 def random_bits(m: Math, w: Any, w_high: Any) -> Any:

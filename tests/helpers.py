@@ -1,0 +1,31 @@
+"""Test helpers shared by the test modules (independent of compile_rng's code)."""
+
+import struct
+
+import torch
+
+SEEDS = [0, 1, 0xDEADBEEF12345678, 2**63 + 5, 2**64 - 1]
+BASES = [0, 1, 3, 2**32 - 5, 2**63 + 7, 2**64 - 6]
+
+
+def f32(x: float) -> float:
+    """Round a Python float to float32 (independent of compile_rng)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def ref_tensor(values, dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).to(dtype)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Max distance in units in the last place between same-dtype float tensors."""
+    assert a.dtype == b.dtype
+    int_dtype = {torch.float32: torch.int32, torch.float64: torch.int64,
+                 torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    ia, ib = a.view(int_dtype).long(), b.view(int_dtype).long()
+    # map the sign-magnitude float order onto integers
+    sign = torch.iinfo(int_dtype).min
+    ia = torch.where(ia < 0, sign - ia, ia)
+    ib = torch.where(ib < 0, sign - ib, ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+

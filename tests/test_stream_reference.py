@@ -1,0 +1,187 @@
+"""The eager functional ops against the independent pure-Python reference, bitwise."""
+
+import math
+
+import pytest
+import reference as ref
+import torch
+from helpers import BASES, SEEDS, f32, ref_tensor
+
+from compile_rng import ops
+from compile_rng.cpu_kernel import philox_words
+
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+# (size, counter strides): contiguous streams, 0-d, empty, odd sizes, and a shard-like
+# layout whose strides come from a larger global tensor.
+LAYOUTS = [((), ()), ((0,), (1,)), ((7,), (1,)), ((3, 5), (5, 1)), ((2, 3, 5), (15, 5, 1)), ((3, 4), (10, 1))]
+
+
+@pytest.mark.parametrize("ctr,key,expected", KAT)
+def test_reference_matches_random123_known_answers(ctr, key, expected):
+    assert ref.philox4x32_10(ctr, key) == expected
+
+
+@pytest.mark.parametrize("ctr,key,expected", [k for k in KAT if k[0][3] == 0])
+def test_c_kernel_matches_known_answers(ctr, key, expected):
+    # The KAT block as lanes 0..3 of a 4-element stream: counter words 0 and 1 are the
+    # block index halves; word 2 is c2; word 3 is always 0 in the kernel.
+    seed = key[0] | key[1] << 32
+    base = (ctr[0] | ctr[1] << 32) << 2
+    words, _ = philox_words(seed, base % 2**64, [4], [1], c2=ctr[2])
+    assert tuple(words.tolist()) == expected
+
+
+def _counters(base, size, strides):
+    return ref.counters(base, list(size), list(strides))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("base", BASES)
+def test_words_match_reference(seed, base):
+    for size, strides in LAYOUTS:
+        words, lanes = philox_words(seed, base, list(size), list(strides), lanes=True)
+        cs = _counters(base, size, strides)
+        assert words.flatten().tolist() == [ref.word(seed, c) for c in cs]
+        assert lanes.flatten().tolist() == [c % 4 for c in cs]
+
+
+def test_words_multithreaded_match_single_threaded():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = philox_words(7, 2**64 - 1000, [300, 1000], [1000, 1])
+        torch.set_num_threads(4)
+        many, _ = philox_words(7, 2**64 - 1000, [300, 1000], [1000, 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert one[0, :8].tolist() == [ref.word(7, (2**64 - 1000 + i) % 2**64) for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", SEEDS[::2])
+@pytest.mark.parametrize("base", BASES[::2])
+def test_uniform01_matches_reference(dtype, seed, base):
+    name = str(dtype).split(".")[1]
+    for size, strides in LAYOUTS:
+        out = ops.uniform(ops.make_key(seed, base), 0, size, strides, 0.0, 1.0, dtype)
+        expected = [ref.uniform01(seed, c, name) for c in _counters(base, size, strides)]
+        assert out.dtype == dtype and tuple(out.shape) == size
+        assert torch.equal(out.flatten(), ref_tensor(expected, dtype))
+
+
+def test_offset_argument_shifts_the_counter():
+    key = ops.make_key(11, 2**64 - 2)
+    a = ops.uniform(key, 5, [6], [1], 0.0, 1.0, torch.float64)
+    b = ops.uniform(ops.make_key(11, 3), 0, [6], [1], 0.0, 1.0, torch.float64)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("low,high", [(-2.0, 3.0), (0.5, 0.75), (-1e3, 1e3)])
+def test_uniform_bounds_match_reference_fp32(low, high):
+    seed, base = 99, 2**32 - 5
+    out = ops.uniform(ops.make_key(seed, base), 0, [257], [1], low, high, torch.float32)
+    expected = []
+    for c in range(base, base + 257):
+        v = f32(f32(ref.uniform01(seed, c, "float32") * f32(high - low)) + f32(low))
+        expected.append(low if v >= high else v)
+    assert torch.equal(out, ref_tensor(expected, torch.float32))
+    assert bool((out >= low).all()) and bool((out < high).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_uniform_never_returns_one(dtype):
+    # Words at the top of the range map to the largest value below 1.
+    for seed in range(4):
+        out = ops.uniform(ops.make_key(seed, 0), 0, [1 << 16], [1], 0.0, 1.0, dtype)
+        assert float(out.max()) < 1.0
+    bits = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24}[dtype]
+    top = torch.tensor((2**bits - 1) * 2.0**-bits, dtype=torch.float64).to(dtype)
+    assert float(top) < 1.0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.float64, 1e-12)])
+def test_normal_matches_reference(dtype, tol):
+    for seed in SEEDS[:3]:
+        for base in BASES:
+            out = ops.normal(ops.make_key(seed, base), 0, [3, 5], [5, 1], 0.0, 1.0, dtype)
+            expected = ref_tensor([ref.normal_std(seed, c) for c in _counters(base, [3, 5], [5, 1])], torch.float64)
+            assert (out.double().flatten() - expected).abs().max() < tol
+
+
+def test_normal_mean_std_are_affine():
+    key = ops.make_key(5, 17)
+    z = ops.normal(key, 0, [1000], [1], 0.0, 1.0, torch.float64)
+    x = ops.normal(key, 0, [1000], [1], 3.0, 0.5, torch.float64)
+    assert torch.equal(x, z * 0.5 + 3.0)
+
+
+def test_exponential_matches_reference():
+    seed, base = 3, 2**63 + 7
+    out = ops.exponential(ops.make_key(seed, base), 0, [101], [1], 2.5, torch.float64)
+    expected = [ref.exponential(seed, base + i, 2.5) for i in range(101)]
+    assert (out - torch.tensor(expected, dtype=torch.float64)).abs().max() < 1e-12
+    assert bool((out >= 0).all()) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_bernoulli_scalar_matches_reference(p):
+    seed, base = 8, 2**32 - 5
+    for dtype in (torch.float32, torch.bfloat16):
+        out = ops.bernoulli(ops.make_key(seed, base), 0, [500], [1], p, dtype)
+        expected = [float(ref.keep_bernoulli(seed, base + i, p)) for i in range(500)]
+        assert torch.equal(out, ref_tensor(expected, dtype))
+
+
+def test_bernoulli_tensor_matches_reference():
+    seed, base = 8, 1
+    p = torch.linspace(0, 1, 64, dtype=torch.float32).reshape(8, 8)
+    out = ops.bernoulli_tensor(ops.make_key(seed, base), 0, p, [8, 1], torch.float32)
+    expected = [float(ref.keep_bernoulli(seed, base + i, float(p.flatten()[i]))) for i in range(64)]
+    assert torch.equal(out.flatten(), ref_tensor(expected, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dropout_matches_reference(dtype):
+    seed, base, p = 21, 2**64 - 6, 0.3
+    x = torch.randn(4, 33, dtype=dtype)
+    out, mask = ops.dropout(ops.make_key(seed, base), 0, x, [33, 1], p)
+    keep = [ref.keep_bernoulli(seed, (base + i) % 2**64, 1 - p) for i in range(x.numel())]
+    assert mask.flatten().tolist() == keep
+    scale = 1 / (1 - p)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = (x.to(cdt) * torch.tensor(keep, dtype=cdt).view_as(x) * torch.tensor(scale, dtype=cdt)).to(dtype)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("low,high", [(0, 10), (-5, 7), (0, 2**32), (-(2**40), 2**40), (-(2**62), 2**62), (0, 2**63 - 1)])
+def test_randint_matches_reference(low, high):
+    seed, base = 12, 2**63 + 7
+    out = ops.randint(ops.make_key(seed, base), 0, [2, 50], [50, 1], low, high, torch.int64)
+    expected = [ref.randint(seed, base + i, low, high) for i in range(100)]
+    assert out.flatten().tolist() == expected
+    assert int(out.min()) >= low and int(out.max()) < high
+
+
+def test_random_bits_match_reference():
+    seed, base = 2**64 - 1, 2**32 - 5
+    out = ops.random_bits(ops.make_key(seed, base), 0, [64], [1])
+    assert out.tolist() == [ref.bits64(seed, base + i) for i in range(64)]
+
+
+def test_streams_of_distinct_ops_are_disjoint_blocks():
+    # ceil4 advance: an op starting at offset ceil4(n) never shares a block with the previous op.
+    key = ops.make_key(4, 0)
+    first = ops.uniform(key, 0, [5], [1], 0.0, 1.0, torch.float64)
+    second = ops.uniform(key, 8, [3], [1], 0.0, 1.0, torch.float64)
+    assert math.isclose(float(second[0]), ref.uniform01(4, 8, "float64"))
+    assert not set(first.tolist()) & set(second.tolist())
