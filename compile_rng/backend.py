@@ -141,38 +141,45 @@ def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphM
     return new_gm, [*example_inputs, example]
 
 
-def _make_backend(cfg: BackendConfig) -> Callable:
-    def compile_rng_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+class Backend:
+    """A ``torch.compile`` backend; ``plans`` keeps what the pass did, one per graph."""
+
+    def __init__(self, config: BackendConfig):
+        self.config = config
+        self.plans: list[RngPlan] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         plan = RngPlan()
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
-        compiled = _compile_inner(cfg, keyed_gm, inputs, plan)
+        compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
         advance = _AdvanceFn(plan.total_advance, placeholders)
+        self.plans.append(plan)
 
         def run(*args):
             seed, offset = state.advance(advance(args))
-            key = make_key(seed, offset)
-            return compiled(*args, key)
+            return compiled(*args, make_key(seed, offset))
 
-        run._compile_rng_plan = plan
         return run
 
-    compile_rng_backend.config = cfg
-    return compile_rng_backend
+    def __repr__(self) -> str:
+        return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r})"
 
 
-def backend(mode: str = "tracker", inner: str = "inductor") -> Callable:
+def backend(mode: str = "tracker", inner: str = "inductor") -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
     ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
     on a one-rank mesh). ``inner`` is the compiler that runs after the pass:
-    ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging).
+    ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging). The returned
+    object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
+    the total advance and the graph code after the pass.
     """
     if mode not in MODES:
         raise ValueError(f"compile_rng.backend: mode must be one of {MODES}, got {mode!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
-    return _make_backend(BackendConfig(mode, inner))
+    return Backend(BackendConfig(mode, inner))
 
 
 #: The backend registered as ``torch.compile(..., backend="compile_rng")``.

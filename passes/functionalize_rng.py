@@ -46,6 +46,8 @@ class RngPlan:
 
     ops: list[RewrittenOp] = field(default_factory=list)
     total_advance: sympy.Expr = sympy.Integer(0)
+    #: Python code of each graph after the pass rewrote it.
+    graphs: list[str] = field(default_factory=list)
 
 
 def _expr(v) -> sympy.Expr:
@@ -240,4 +242,5 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()
+    plan.graphs.append(graph.python_code("self").src)
 

@@ -1,0 +1,113 @@
+"""Random-number throughput: compile_rng vs eager PyTorch vs stock Inductor vs memset.
+
+Every figure is measured in the same run on the same machine; ratios are what to
+compare (absolute times drift). For each thread count (1 and all cores) it times:
+
+* compile_rng: ``torch.rand`` / ``torch.randn`` / ``F.dropout`` compiled with
+  ``backend="compile_rng"`` (the whole user path: wrapper + fused Philox kernel), and
+  the eager functional ops (the C kernel plus tensor transforms);
+* baselines: eager ``uniform_`` / ``normal_`` / ``F.dropout``, the same three compiled
+  by stock Inductor, and ``fill_`` (memset floor).
+
+Prints ns/element with ratios and writes JSON. ``--size`` and ``--repeat`` shrink it
+for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import compile_rng
+from compile_rng import ops
+
+
+def timeit(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    fn()  # compile and warm up
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def cases(n: int) -> dict[str, tuple[str, Callable[[], object]]]:
+    """name -> (group, zero-argument callable producing n random float32 values)."""
+    buf = torch.empty(n)
+    x = torch.randn(n)
+    key = ops.make_key(1, 0)
+    crng = lambda f: torch.compile(f, backend=compile_rng.backend())  # noqa: E731
+    stock = lambda f: torch.compile(f)  # noqa: E731
+    return {
+        "memset fill_": ("floor", lambda: buf.fill_(1.0)),
+        "eager uniform_": ("uniform", lambda: buf.uniform_()),
+        "inductor torch.rand": ("uniform", stock(lambda: torch.rand(n))),
+        "compile_rng torch.rand": ("uniform", crng(lambda: torch.rand(n))),
+        "compile_rng eager op uniform": ("uniform", lambda: ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)),
+        "eager normal_": ("normal", lambda: buf.normal_()),
+        "inductor torch.randn": ("normal", stock(lambda: torch.randn(n))),
+        "compile_rng torch.randn": ("normal", crng(lambda: torch.randn(n))),
+        "compile_rng eager op normal": ("normal", lambda: ops.normal(key, 0, [n], [1], 0.0, 1.0, torch.float32)),
+        "eager dropout": ("dropout", lambda: F.dropout(x, 0.1)),
+        "inductor dropout": ("dropout", stock(lambda: F.dropout(x, 0.1))),
+        "compile_rng dropout": ("dropout", crng(lambda: F.dropout(x, 0.1))),
+    }
+
+
+BASELINES = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout"}
+STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
+
+
+def run(n: int, repeat: int, threads: list[int]) -> list[dict]:
+    rows = []
+    for t in threads:
+        torch.set_num_threads(t)
+        torch._dynamo.reset()  # Inductor bakes the thread count into its kernels
+        timed = {name: (group, timeit(fn, repeat)) for name, (group, fn) in cases(n).items()}
+        memset = timed["memset fill_"][1]
+        for name, (group, sec) in timed.items():
+            row = {"threads": t, "case": name, "group": group, "ns_per_elem": sec / n * 1e9,
+                   "x_memset": sec / memset}
+            if group in BASELINES:
+                row["speedup_vs_eager"] = timed[BASELINES[group]][1] / sec
+                row["speedup_vs_inductor"] = timed[STOCK[group]][1] / sec
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], n: int) -> None:
+    print(f"\n{n:,} float32 elements; median of repeats; speedup > 1 means faster than the baseline")
+    header = f"{'threads':>7}  {'case':<30} {'ns/elem':>8} {'x memset':>9} {'vs eager':>9} {'vs inductor':>12}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        eager = f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else ""
+        ind = f"{r['speedup_vs_inductor']:.2f}x" if "speedup_vs_inductor" in r else ""
+        print(f"{r['threads']:>7}  {r['case']:<30} {r['ns_per_elem']:>8.2f} {r['x_memset']:>9.1f} {eager:>9} {ind:>12}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=16 * 2**20)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--json", default="bench-random.json")
+    args = parser.parse_args()
+    threads = sorted({1, os.cpu_count() or 1})
+    rows = run(args.size, args.repeat, threads)
+    print_table(rows, args.size)
+    with open(args.json, "w") as f:
+        json.dump({"size": args.size, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
