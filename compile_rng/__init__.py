@@ -4,6 +4,8 @@ Public API:
 
 * :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
   state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
+  Seeding installs compile_rng as DTensor's RNG tracker: DTensor random ops on CPU
+  meshes then follow the SPMD contract in eager and compiled code alike.
 * :func:`backend` - ``torch.compile(fn, backend=compile_rng.backend(...))``; also
   registered as ``backend="compile_rng"``.
 * :mod:`compile_rng.ops` - the functional ops (``torch.ops.compile_rng.*``) and the
@@ -34,7 +36,8 @@ _mount_source_passes()
 
 from . import ops, stream  # noqa: E402
 from .backend import backend  # noqa: E402
-from .state import get_state, install_manual_seed_hook, manual_seed, set_state
+from .seeding import install_manual_seed_hook, manual_seed  # noqa: E402
+from .state import get_state, set_state  # noqa: E402
 
 install_manual_seed_hook()
 

@@ -19,10 +19,11 @@ import sympy
 import torch
 from torch import fx
 
-from compile_rng.passes.functionalize_rng import HANDLED_OPS, RngPlan, functionalize_rng
+from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 
-from . import state
+from . import state, tracker
 from .ops import make_key
+from .random_ops import INPLACE, RULES
 
 MODES = ("tracker",)
 INNERS = ("inductor", "aot_eager")
@@ -76,7 +77,9 @@ class _AdvanceFn:
 def _decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
-    return {op: fn for op, fn in select_decomp_table().items() if op not in HANDLED_OPS}
+    # The rewrite handles these itself; Inductor's decompositions would change their values.
+    handled = set(RULES) | set(INPLACE)
+    return {op: fn for op, fn in select_decomp_table().items() if op not in handled}
 
 
 def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan) -> Callable:
@@ -152,7 +155,8 @@ class Backend:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         plan = RngPlan()
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
-        compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
+        with tracker.tracing_for_backend(self.config.mode):
+            compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
         advance = _AdvanceFn(plan.total_advance, placeholders)
         self.plans.append(plan)
 

@@ -219,11 +219,3 @@ def make_key(seed: int, base: int, device: str | torch.device = "cpu") -> torch.
 
     return torch.tensor([signed(seed), signed(base)], dtype=torch.int64, device=device)
 
-
-def contiguous_strides(size: Sequence[int]) -> list[int]:
-    """Row-major strides of ``size``: the counter layout of a plain stream."""
-    strides, acc = [], 1
-    for s in reversed(list(size)):
-        strides.append(acc)
-        acc *= s
-    return strides[::-1]

@@ -1,15 +1,13 @@
 """The Philox state ``(seed, offset)`` per device type, both uint64.
 
-On CPU, whose generator is not counter-based, compile_rng keeps the state itself.
-``torch.manual_seed(s)`` (patched on import, see :func:`install_manual_seed_hook`)
-restarts it exactly like :func:`manual_seed`. On CUDA the state *is* the device
+On CPU, whose generator is not counter-based, compile_rng keeps the state itself
+(:mod:`compile_rng.seeding` makes ``torch.manual_seed`` restart it). On CUDA the state *is* the device
 generator's Philox state (``initial_seed()``, ``get_offset()``), so compiled
 compile_rng ops and eager CUDA ops share one stream.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -99,26 +97,3 @@ def _checked_sum(offset: int, increment: int) -> int:
             "reseed with compile_rng.manual_seed()"
         )
     return offset + increment
-
-
-def install_manual_seed_hook() -> None:
-    """Make ``torch.manual_seed(s)`` also restart compile_rng's stream at ``(s, 0)``.
-
-    Idempotent. ``torch.manual_seed`` is looked up at call time by nearly every caller
-    (training scripts, Lightning's ``seed_everything``, DTensor), so wrapping the
-    module attributes covers the habit; ``compile_rng.manual_seed`` is the explicit API.
-    """
-    original = torch.random.manual_seed
-    if getattr(original, "_compile_rng_hook", False):
-        return
-
-    @functools.wraps(original)
-    def manual_seed_hook(seed):
-        result = original(seed)
-        # torch accepts negative seeds and reduces them mod 2**64; mirror that.
-        manual_seed(int(seed) % UINT64)
-        return result
-
-    manual_seed_hook._compile_rng_hook = True
-    torch.random.manual_seed = manual_seed_hook
-    torch.manual_seed = manual_seed_hook

@@ -1,43 +1,53 @@
-"""Rewrite stateful aten random ops into compile_rng's functional ops.
+"""Make every random op of a post-AOTAutograd graph a functional compile_rng op.
 
-Runs on post-AOTAutograd graphs (the joint graph before partitioning, or an inference
-graph). Each random node becomes a ``torch.ops.compile_rng.*`` call reading the graph's
-``key`` input (``[seed, base]``) at ``offset = sum of ceil4(numel)`` of the random ops
-before it in program order. A plain tensor is a replicated tensor on a one-rank mesh:
-its element ``i`` gets counter ``base + offset + i``. Offsets and the graph's total
-advance are sympy expressions in the graph's size symbols, emitted as SymInt nodes.
+Runs on the joint graph before partitioning (or on an inference graph). Walks the
+nodes in program order, keeping a running ``base`` (sympy, in the graph's size
+symbols), and for each random op:
 
-Any random op left afterwards (no counter-based form) raises an error naming it.
+* a stateful aten random op on a plain tensor (a replica on a one-rank mesh) is
+  replaced through the shared rules of :mod:`compile_rng.random_ops`: element ``i``
+  gets counter ``key.base + base + i``;
+* a DTensor random op, already replaced at trace time by the tracker with a functional
+  op on a ``pending_key(site)`` placeholder whose offset is the shard's start (a SymInt
+  in the runtime mesh coordinate), gets the graph's key and ``base`` added to its offset.
+
+Either way ``base`` then grows by the op's ``ceil4(numel(global))``. The offsets are
+emitted as SymInt nodes, so nothing rank- or shape-specific is baked into the graph.
+Any other random op raises an error naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import sympy
 import torch
 from torch import fx
 from torch.utils._sympy.functions import FloorDiv
 
-import compile_rng.ops  # noqa: F401  (registers torch.ops.compile_rng)
+from compile_rng import tracker
+from compile_rng.random_ops import RULES, RandomCall, is_random, unsupported
+from compile_rng.spmd import Sharding, contiguous_strides
 
-from .sym_emit import SymEmitter
+from .sym_emit import SymEmitter, emit_binary
 
-aten = torch.ops.aten
-cr = torch.ops.compile_rng
+pending_key = torch.ops.compile_rng.pending_key.default
 
 
 @dataclass
 class RewrittenOp:
-    """One random op the pass replaced (for tests, dumps and explain)."""
+    """One random op the pass made functional (for tests, dumps and explain)."""
 
     original: str
     replacement: str
-    shape: tuple
+    local_shape: tuple
     dtype: torch.dtype
-    offset: sympy.Expr
+    offset: sympy.Expr  # base of the op's counter range, relative to the call's key
     advance: sympy.Expr
+    sharding: Sharding | None = None  # None for plain tensors
+    start: sympy.Expr = sympy.Integer(0)  # the rank's first counter within the range
 
 
 @dataclass
@@ -50,7 +60,7 @@ class RngPlan:
     graphs: list[str] = field(default_factory=list)
 
 
-def _expr(v) -> sympy.Expr:
+def _expr(v: Any) -> sympy.Expr:
     return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
 
 
@@ -58,125 +68,44 @@ def ceil4_expr(n: sympy.Expr) -> sympy.Expr:
     return FloorDiv(n + 3, 4) * 4
 
 
-class _Site:
-    """One random node being rewritten: its output metadata and emission helpers."""
+def _first_val(node: fx.Node) -> Any:
+    val = node.meta["val"]
+    return val[0] if isinstance(val, (tuple, list)) else val
 
-    def __init__(self, node: fx.Node, key: fx.Node, offset, emitter: SymEmitter):
-        self.node, self.key, self.offset, self.emitter = node, key, offset, emitter
-        val = node.meta["val"]
-        self.val = val[0] if isinstance(val, (tuple, list)) else val
-        self.shape = [_expr(s) for s in self.val.shape]
 
-    def size(self) -> list:
+class _GraphCall(RandomCall):
+    """A plain-tensor random op node, replaced by nodes inserted before it."""
+
+    def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter):
+        from torch.fx.operator_schemas import normalize_function
+
+        self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
+        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        self.kw = dict(normalized.kwargs)
+        val = _first_val(node)
+        self.dtype = val.dtype
+        self.shape = [_expr(s) for s in val.shape]
+
+    def arg(self, name, default=None):
+        value = self.kw.get(name)
+        return default if value is None else value
+
+    def size(self):
         return [self.emitter.emit(s) for s in self.shape]
 
-    def strides(self) -> list:
-        out, acc = [], sympy.Integer(1)
-        for s in reversed(self.shape):
-            out.append(acc)
-            acc = acc * s
-        return [self.emitter.emit(s) for s in reversed(out)]
+    def strides(self):
+        return [self.emitter.emit(s) for s in contiguous_strides(self.shape)]
 
-    def arg(self, i: int | None, name: str, default=None):
-        """Argument ``i`` (or keyword ``name``); ``i=None`` means the op has no such argument."""
-        if i is None:
-            return default
-        if len(self.node.args) > i:
-            return self.node.args[i]
-        return self.node.kwargs.get(name, default)
+    def emit(self, target, *args):
+        return self.apply(target, self.key, self.offset, *args)
 
-    def call(self, target, *args) -> fx.Node:
-        return self.node.graph.call_function(target, (self.key, self.offset, *args))
-
-
-# Rewrite rules: aten overload -> builder of the functional call at a site.
-def _uniform(lo_i, hi_i):
-    def build(s: _Site) -> fx.Node:
-        low, high = float(s.arg(lo_i, "from", 0.0)), float(s.arg(hi_i, "to", 1.0))
-        return s.call(cr.uniform.default, s.size(), s.strides(), low, high, s.val.dtype)
-    return build
-
-
-def _normal(mean_i, std_i):
-    def build(s: _Site) -> fx.Node:
-        mean, std = float(s.arg(mean_i, "mean", 0.0)), float(s.arg(std_i, "std", 1.0))
-        if std < 0:
-            raise ValueError(f"compile_rng: {s.node.target} needs std >= 0, got {std}")
-        return s.call(cr.normal.default, s.size(), s.strides(), mean, std, s.val.dtype)
-    return build
-
-
-def _standard(target, *params):
-    return lambda s: s.call(target, s.size(), s.strides(), *params, s.val.dtype)
-
-
-def _exponential(s: _Site) -> fx.Node:
-    lambd = float(s.arg(1, "lambd", 1.0))
-    if not lambd > 0:
-        raise ValueError(f"compile_rng: exponential needs lambd > 0, got {lambd}")
-    return s.call(cr.exponential.default, s.size(), s.strides(), lambd, s.val.dtype)
-
-
-def _probability(s: _Site, p) -> float:
-    p = float(p)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"compile_rng: {s.node.target} needs a probability in [0, 1], got {p}")
-    return p
-
-
-def _bernoulli_p(s: _Site) -> fx.Node:
-    p = _probability(s, s.arg(1, "p", 0.5))
-    return s.call(cr.bernoulli.default, s.size(), s.strides(), p, s.val.dtype)
-
-
-def _bernoulli_tensor(s: _Site) -> fx.Node:
-    return s.call(cr.bernoulli_tensor.default, s.node.args[0], s.strides(), s.val.dtype)
-
-
-def _dropout(s: _Site) -> fx.Node:
-    if s.arg(2, "train", True) is False:
-        raise NotImplementedError("compile_rng: native_dropout with train=False has no randomness to rewrite")
-    p = _probability(s, s.arg(1, "p"))
-    return s.call(cr.dropout.default, s.node.args[0], s.strides(), p)
-
-
-def _randint(lo_i, hi_i):
-    def build(s: _Site) -> fx.Node:
-        low = int(s.node.args[lo_i]) if lo_i is not None else 0
-        high = int(s.node.args[hi_i])
-        if high <= low:
-            raise ValueError(f"compile_rng: {s.node.target} needs low < high, got [{low}, {high})")
-        return s.call(cr.randint.default, s.size(), s.strides(), low, high, s.val.dtype)
-    return build
-
-
-RULES: dict[torch._ops.OpOverload, Callable[[_Site], fx.Node]] = {
-    aten.rand.default: _uniform(None, None),
-    aten.rand_like.default: _uniform(None, None),
-    aten.uniform.default: _uniform(1, 2),
-    aten.randn.default: _normal(None, None),
-    aten.randn_like.default: _normal(None, None),
-    aten.normal_functional.default: _normal(1, 2),
-    aten.normal.float_float: _normal(0, 1),
-    aten.exponential.default: _exponential,
-    aten.bernoulli.p: _bernoulli_p,
-    aten.bernoulli.default: _bernoulli_tensor,
-    aten.native_dropout.default: _dropout,
-    aten.randint.default: _randint(None, 0),
-    aten.randint.low: _randint(0, 1),
-}
-
-#: aten overloads the rewrite handles; Inductor must not decompose these first.
-HANDLED_OPS = frozenset(RULES)
-
-
-def is_random(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in target.tags
-    )
+    def apply(self, target, *args, **kwargs):
+        node = self.node.graph.call_function(target, args, kwargs)
+        node.meta.update({k: v for k, v in self.node.meta.items() if k != "val"})
+        fake_mode = torch._guards.detect_fake_mode([self.key.meta["val"]])
+        with fake_mode:
+            node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
+        return node
 
 
 def find_key(graph: fx.Graph) -> fx.Node:
@@ -192,55 +121,65 @@ def find_key(graph: fx.Graph) -> fx.Node:
     return key
 
 
-def _check_supported(node: fx.Node, key: fx.Node) -> None:
+def _check_plain(node: fx.Node, key: fx.Node) -> None:
     if node.target not in RULES:
-        raise NotImplementedError(
-            f"compile_rng: random op {node.target} has no counter-based form yet; "
-            "move it out of the compiled region (torch.compiler.disable) or open an issue"
-        )
+        raise unsupported(node.target)
     if node.kwargs.get("generator") is not None:
         raise NotImplementedError(
             f"compile_rng: {node.target} got an explicit generator=; compiled random ops draw "
             "from compile_rng's stream (seed it with compile_rng.manual_seed) - drop the argument"
         )
-    val = node.meta["val"]
-    val = val[0] if isinstance(val, (tuple, list)) else val
-    if val.device != key.meta["val"].device:
+    device = _first_val(node).device
+    if device != key.meta["val"].device:
         raise NotImplementedError(
-            f"compile_rng: {node.target} runs on {val.device}, but this version keeps streams "
+            f"compile_rng: {node.target} runs on {device}, but this version keeps streams "
             f"for {key.meta['val'].device} only"
         )
+
+
+def _resolve_pending(node: fx.Node, key: fx.Node, base: Any) -> fx.Node:
+    """Point the functional op that uses ``pending_key`` ``node`` at the real key."""
+    (user,) = node.users
+    offset = user.args[1]
+    if base != 0:
+        with node.graph.inserting_before(user):
+            offset = emit_binary(node.graph, operator.add, base, offset)
+    user.args = (key, offset, *user.args[2:])
+    node.graph.erase_node(node)
+    return user
 
 
 def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     """Rewrite every random op of ``graph`` in place; append what was done to ``plan``.
 
-    Idempotent: a graph with no stateful random ops is left unchanged, so the pass can
-    run both on the joint graph and again on its partitions.
+    Idempotent: a graph with no stateful random op and no pending key is left
+    unchanged, so the pass can run on the joint graph and again on its partitions.
     """
-    randoms = [n for n in graph.nodes if is_random(n)]
-    if not randoms:
+    sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
+    if not sites:
         return
     key = find_key(graph)
     emitter = SymEmitter(graph)
-    fake_mode = torch._guards.detect_fake_mode([key.meta["val"]])
-    for node in randoms:
-        _check_supported(node, key)
-        offset_expr = plan.total_advance
+    for node in sites:
+        base = plan.total_advance
         with graph.inserting_before(node):
-            site = _Site(node, key, emitter.emit(offset_expr), emitter)
-            new = RULES[node.target](site)
-        numel = sympy.Mul(*site.shape) if site.shape else sympy.Integer(1)
-        advance = ceil4_expr(numel)
-        plan.ops.append(
-            RewrittenOp(str(node.target), str(new.target), tuple(site.shape), site.val.dtype, offset_expr, advance)
-        )
+            base_value = emitter.emit(base)
+            if node.target is pending_key:
+                info = tracker.site(node.args[0])
+                new = _resolve_pending(node, key, base_value)
+                advance = _expr(info.advance)
+                record = RewrittenOp(info.op, str(new.target), tuple(_expr(s) for s in _first_val(new).shape),
+                                     _first_val(new).dtype, base, advance, info.sharding, _expr(info.start))
+            else:
+                _check_plain(node, key)
+                call = _GraphCall(node, key, base_value, emitter)
+                new = RULES[node.target](call)
+                numel = sympy.Mul(*call.shape) if call.shape else sympy.Integer(1)
+                advance = ceil4_expr(numel)
+                record = RewrittenOp(str(node.target), str(new.target), tuple(call.shape), call.dtype, base, advance)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+        plan.ops.append(record)
         plan.total_advance = plan.total_advance + advance
-        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        with fake_mode:
-            new.meta["val"] = new.target(*fx.node.map_arg(new.args, lambda n: n.meta["val"]))
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
     graph.lint()
     plan.graphs.append(graph.python_code("self").src)
-

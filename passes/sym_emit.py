@@ -79,9 +79,14 @@ class SymEmitter:
         raise NotImplementedError(f"compile_rng: cannot emit symbolic expression {expr}")
 
     def _binary(self, fn, a, b):
-        if isinstance(a, int) and isinstance(b, int):
-            return fn(a, b)
-        node = self.graph.call_function(fn, (a, b))
-        vals = [x.meta["val"] if isinstance(x, fx.Node) else x for x in (a, b)]
-        node.meta["val"] = fn(*vals)
-        return node
+        return emit_binary(self.graph, fn, a, b)
+
+
+def emit_binary(graph: fx.Graph, fn, a: int | fx.Node, b: int | fx.Node) -> int | fx.Node:
+    """``fn(a, b)`` on ints or SymInt nodes; folds constants, else inserts a node."""
+    if isinstance(a, int) and isinstance(b, int):
+        return fn(a, b)
+    node = graph.call_function(fn, (a, b))
+    vals = [x.meta["val"] if isinstance(x, fx.Node) else x for x in (a, b)]
+    node.meta["val"] = fn(*vals)
+    return node

@@ -1,0 +1,266 @@
+"""compile_rng as DTensor's RNG tracker: SPMD random semantics on CPU meshes.
+
+DTensor runs the local op of a random op inside ``_rng_tracker._distribute_region(spec)``.
+:class:`Tracker` makes that region replace the local op with compile_rng's functional
+ops at the shard's counter layout (:mod:`compile_rng.spmd`):
+
+* eager: the counters come from the state (reserved once per op, identical on every
+  rank) and the rank's mesh coordinate;
+* while AOTAutograd traces a graph for ``backend="compile_rng"``: the key is a
+  placeholder (``compile_rng::pending_key``, resolved to the graph's key input by the
+  pass) and the coordinate is a runtime SymInt
+  (``device_mesh::_runtime_compute_coordinate_on_dim``), so one graph serves every rank.
+
+Random ops that DTensor does not route through the tracker (``exponential_``,
+``log_normal_``, ``cauchy_``, ``geometric_``, ``random_``, ``bernoulli_`` with tensor
+``p``) get a DTensor op handler that does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import ops as cr_ops
+from . import state
+from .random_ops import INPLACE, RULES, RandomCall, is_random, unsupported
+from .spmd import Sharding, contiguous_strides
+
+aten = torch.ops.aten
+
+
+# --- the pending key: a graph placeholder the pass resolves -------------------------
+
+
+@torch.library.custom_op("compile_rng::pending_key", mutates_args=())
+def pending_key(site: int, device: torch.device) -> torch.Tensor:
+    """Stands for the graph's key during tracing; never runs."""
+    raise RuntimeError(
+        "compile_rng internal error: a traced DTensor random op was not resolved by the "
+        "compile_rng pass; compile with backend='compile_rng'"
+    )
+
+
+@pending_key.register_fake
+def _(site, device):
+    return torch.empty(2, dtype=torch.int64, device=device)
+
+
+@dataclass
+class Site:
+    """A DTensor random op seen while tracing (for the pass, dumps and reports)."""
+
+    op: str
+    sharding: Sharding
+    start: Any  # SymInt/int: offset of the rank's first counter within the op's range
+    advance: Any  # SymInt/int: counters the op reserves
+
+_sites: dict[int, Site] = {}
+_site_ids = itertools.count()
+
+
+def site(site_id: int) -> Site:
+    return _sites[site_id]
+
+
+# Set by the backend while AOTAutograd traces one of its graphs.
+_tracing_for_compile_rng: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "compile_rng_tracing_mode", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_for_backend(mode: str) -> Iterator[None]:
+    token = _tracing_for_compile_rng.set(mode)
+    try:
+        yield
+    finally:
+        _tracing_for_compile_rng.reset(token)
+
+
+# --- replacing the local op -----------------------------------------------------------
+
+
+def _out_shape_dtype(func: torch._ops.OpOverload, kw: dict) -> tuple[list, torch.dtype]:
+    """Output shape and dtype of a random op from its normalized arguments."""
+    if "size" in kw:
+        default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
+        return list(kw["size"]), kw.get("dtype") or default
+    if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
+        tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
+        return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
+    first = kw["input"]
+    return list(first.shape), kw.get("dtype") or first.dtype
+
+
+class _TensorCall(RandomCall):
+    """A random op call on local tensors, replaced at dispatch time."""
+
+    def __init__(self, func, kw, key, offset, strides, size, dtype):
+        self.op, self.kw, self.key, self.offset = func, kw, key, offset
+        self._strides, self._size, self.dtype = strides, size, dtype
+
+    def arg(self, name, default=None):
+        value = self.kw.get(name)
+        return default if value is None else value
+
+    def size(self):
+        return self._size
+
+    def strides(self):
+        return self._strides
+
+    def emit(self, target, *args):
+        return target(self.key, self.offset, *args)
+
+    def apply(self, target, *args, **kwargs):
+        return target(*args, **kwargs)
+
+
+def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
+
+
+class _ShardRandomMode(TorchDispatchMode):
+    """Inside a distribute region: replace the local random op, leave the rest alone."""
+
+    def __init__(self, sharding: Sharding, coords: list, key_fn):
+        super().__init__()
+        self.sharding, self.coords, self.key_fn = sharding, coords, key_fn
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        functional = INPLACE.get(func, func)
+        if functional not in RULES:
+            if is_random(func):
+                raise unsupported(func)
+            return func(*args, **kwargs)
+        kw = _normalize(func, args, kwargs)
+        if kw.get("generator") is not None:
+            raise NotImplementedError(
+                f"compile_rng: {func} on a DTensor got generator=; DTensor random ops draw from "
+                "compile_rng's stream (seed it with compile_rng.manual_seed) - drop the argument"
+            )
+        size, dtype = _out_shape_dtype(func, kw)
+        key, offset = self.key_fn(func)
+        call = _TensorCall(functional, kw, key, offset, contiguous_strides(size), size, dtype)
+        result = RULES[functional](call)
+        if func is not functional:  # in-place: write into the local shard
+            target = kw["input"]
+            target.copy_(result[0] if isinstance(result, tuple) else result)
+            return target
+        return result
+
+
+def _coordinates(mesh: Any, symbolic: bool) -> list:
+    if symbolic:
+        with torch.distributed.config.patch(compile_on_one_rank=True):
+            return [mesh._sym_get_coordinate(d) for d in range(mesh.ndim)]
+    coords = mesh.get_coordinate()
+    if coords is None:
+        raise RuntimeError(
+            f"compile_rng: this rank ({torch.distributed.get_rank()}) is not part of the mesh "
+            f"{mesh} of a DTensor random op; run the op only on the mesh's ranks"
+        )
+    return list(coords)
+
+
+class Tracker:
+    """The object installed as ``torch.distributed.tensor._random._rng_tracker``."""
+
+    distribute_region_enabled = True
+
+    # Dynamo must not inline the tracker (it reads the state and placements); code that
+    # calls it from a compiled frame graph-breaks and runs the region eagerly.
+    @torch._dynamo.disable
+    @contextlib.contextmanager
+    def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        sharding = Sharding.from_spec(spec)
+        if generator is not None:
+            raise NotImplementedError(
+                "compile_rng: DTensor random ops with generator= are not supported: the stream of "
+                "a sharded op lives in compile_rng's state. Drop generator= and seed with "
+                "compile_rng.manual_seed / torch.manual_seed on every rank."
+            )
+        sharding.check("DTensor random op")
+        tracing = torch._guards.detect_fake_mode() is not None
+        if tracing and get_proxy_mode() is None:
+            # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
+            yield
+            return
+        if tracing and _tracing_for_compile_rng.get() is None:
+            raise RuntimeError(
+                "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
+                "DTensor random ops on a CPU mesh need torch.compile(..., backend='compile_rng')"
+            )
+        coords = _coordinates(spec.mesh, symbolic=tracing)
+        start = sharding.tracker_start(coords)
+        device = torch.device(spec.mesh.device_type)
+
+        def key_fn(func):
+            if tracing:
+                site_id = next(_site_ids)
+                _sites[site_id] = Site(str(func), sharding, start, sharding.advance())
+                return pending_key(site_id, device), start
+            seed, base = state.advance(int(sharding.advance()), device)
+            return cr_ops.make_key(seed, base, device), start
+
+        with _ShardRandomMode(sharding, coords, key_fn):
+            yield
+
+    def _manual_seed(self, parallel_seed: int) -> None:
+        state.manual_seed(parallel_seed)
+
+
+# Random ops DTensor's dispatcher runs without a distribute region.
+_UNROUTED = [
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    aten.random_.to,
+    getattr(aten.random_, "from"),
+    aten.bernoulli_.Tensor,
+]
+
+
+def _inplace_handler(op_call, args, kwargs):
+    target = args[0]
+    local_args = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    import torch.distributed.tensor._random as dtensor_random
+
+    with dtensor_random._rng_tracker._distribute_region(target._spec):
+        op_call(*local_args, **kwargs)
+    return target
+
+
+_TRACKER = Tracker()
+
+
+def install() -> None:
+    """Make compile_rng DTensor's RNG tracker (idempotent)."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    dtensor_random._rng_tracker = _TRACKER
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _UNROUTED:
+        handlers[op] = _inplace_handler
+
+
+def installed() -> bool:
+    import torch.distributed.tensor._random as dtensor_random
+
+    return dtensor_random._rng_tracker is _TRACKER
