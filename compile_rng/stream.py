@@ -19,7 +19,9 @@ function of ``(seed, n)`` and the op's parameters:
   the 32-bit uniform ``W[l] * 2**-32`` for every output dtype (masks do not depend on
   the activation dtype). Tensor ``p``: the same comparison done exactly in fp64.
 * ``dropout(p)``: keep iff ``W[l] < ceil((1 - p) * 2**32)``; kept values are
-  ``x * (1 / (1 - p))`` in the compute dtype; ``p == 1`` drops everything.
+  ``x * s`` in the compute dtype, rounded once, with ``s = 1 / (1 - p)`` divided in the
+  compute dtype and rounded to the dtype (ATen's CPU dropout composite rounds it so);
+  ``p == 1`` drops everything.
 * integers in ``[low, high)``, ``r = high - low``: ``W[l] mod r`` if ``r <= 2**32``,
   else ``((H & 0x7fffffff) * 2**32 + W[l]) mod r`` where ``H`` is the same lane of the
   block with ``c2 = 1`` (an independent block, so no counter is shared with another
@@ -197,14 +199,21 @@ def dropout_keep(m: Math, w: Any, p: float) -> Any:
     return m.lt(w, m.const(threshold32(1.0 - p), torch.int64))
 
 
-def dropout_scale(p: float) -> float:
-    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+def dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """``1 / (1 - p)`` rounded as ATen's CPU dropout rounds it: divided in the compute
+    dtype, stored in ``dtype`` (so eager DTensor dropout, which runs ATen's
+    ``bernoulli_``/``div_``/``mul`` composite, gives the same bits)."""
+    if p == 1.0:
+        return 0.0
+    cdt = compute_dtype(dtype)
+    one, keep = torch.tensor(1.0, dtype=cdt), torch.tensor(1.0 - p, dtype=cdt)
+    return float((one / keep).to(dtype))
 
 
 def dropout_apply(m: Math, x: Any, keep: Any, dtype: torch.dtype, p: float) -> Any:
     cdt = compute_dtype(dtype)
     kept = m.mul(m.cast(x, cdt), m.cast(keep, cdt))
-    return m.cast(m.mul(kept, m.const(dropout_scale(p), cdt)), dtype)
+    return m.cast(m.mul(kept, m.const(dropout_scale(p, dtype), cdt)), dtype)
 
 
 def needs_high_word(low: int, high: int) -> bool:

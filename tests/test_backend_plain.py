@@ -34,7 +34,7 @@ def expected(base: int) -> list:
     a = ref_tensor([ref.uniform01(SEED, n, "float32") for n in c(0, 15)], torch.float32).view(3, 5)
     b = torch.tensor([ref.normal_std(SEED, n) for n in c(1, 28)], dtype=torch.float64).view(4, 7)
     keep = torch.tensor([ref.keep_bernoulli(SEED, n, 0.7) for n in c(2, 28)]).view(4, 7)
-    drop = X * keep.float() * torch.tensor(1 / 0.7, dtype=torch.float32)
+    drop = X * keep.float().div_(0.7)
     d = torch.tensor([float(ref.keep_bernoulli(SEED, n, 0.25)) for n in c(3, 28)]).view(4, 7)
     e = torch.tensor([ref.uniform01(SEED, n, "float64") * 2 - 1 for n in c(4, 6)], dtype=torch.float64).view(2, 3)
     f = torch.tensor([ref.randint(SEED, n, 0, 10) for n in c(5, 6)])
@@ -145,9 +145,9 @@ def test_dropout_backward_uses_the_forward_mask():
     compile_rng.manual_seed(SEED)
     torch.compile(loss, backend=compile_rng.backend())(x, w).backward()
     keep = torch.tensor([ref.keep_bernoulli(SEED, i, 0.6) for i in range(60)]).view(6, 10).float()
-    scale = torch.tensor(1 / 0.6, dtype=torch.float32)
-    assert torch.equal(w.grad, x.detach() * keep * scale)
-    assert torch.equal(x.grad, w.detach() * keep * scale)
+    scale = keep / 0.6
+    assert torch.equal(w.grad, x.detach() * scale)
+    assert torch.equal(x.grad, w.detach() * scale)
 
 
 @pytest.mark.parametrize(

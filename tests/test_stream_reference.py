@@ -157,9 +157,9 @@ def test_dropout_matches_reference(dtype):
     out, mask = ops.dropout(ops.make_key(seed, base), 0, x, [33, 1], p)
     keep = [ref.keep_bernoulli(seed, (base + i) % 2**64, 1 - p) for i in range(x.numel())]
     assert mask.flatten().tolist() == keep
-    scale = 1 / (1 - p)
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    expected = (x.to(cdt) * torch.tensor(keep, dtype=cdt).view_as(x) * torch.tensor(scale, dtype=cdt)).to(dtype)
+    # ATen's CPU dropout composite: noise = bernoulli(1 - p) in x's dtype, noise / (1 - p), x * noise
+    noise = torch.tensor(keep, dtype=dtype).view_as(x)
+    expected = x * noise.div_(1 - p)
     assert torch.equal(out, expected)
 
 
