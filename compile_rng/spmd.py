@@ -18,9 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.tensor.placement_types import Partial, Shard
+import sympy
+import torch
+from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
 from .stream import ceil4
+
+# Placements that split a tensor dim across a mesh dim (_StridedShard is not a Shard).
+SHARDS = (Shard, _StridedShard)
 
 
 @dataclass(frozen=True)
@@ -59,17 +64,18 @@ class Sharding:
     def _mesh_dims_by_tensor_dim(self) -> list[list[int]]:
         dims: list[list[int]] = [[] for _ in self.global_shape]
         for mesh_dim, p in enumerate(self.placements):
-            if isinstance(p, Shard):  # _StridedShard is a Shard subclass
+            if isinstance(p, SHARDS):
                 dims[p.dim].append(mesh_dim)
         return dims
 
     def first_shard_shape(self) -> list:
+        """Shape of the shard at coordinate 0, as the tracker sizes it: each sharding
+        placement chunks the *global* dim (so two mesh dims on one tensor dim keep the
+        last placement's chunk, exactly like ``OffsetBasedRNGTracker``)."""
         shape = list(self.global_shape)
         for mesh_dim, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                shape[p.dim], _ = p._local_shard_size_and_offset(
-                    self.global_shape[p.dim], self.mesh_shape[mesh_dim], 0
-                )
+            if isinstance(p, SHARDS):
+                shape[p.dim] = _first_chunk(p, self.global_shape[p.dim], self.mesh_shape[mesh_dim])
         return shape
 
     def shard_linear_index(self, coords: Sequence[Any]) -> Any:
@@ -90,6 +96,32 @@ class Sharding:
         for s in self.first_shard_shape():
             first = first * s
         return ceil4(self.shard_linear_index(coords) * first)
+
+
+def _min(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_min(a, b)
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Min(a, b)
+    return min(a, b)
+
+
+def _first_chunk(p: Any, size: Any, n: int) -> Any:
+    """Size of coordinate 0's piece of a dim of ``size`` split ``n`` ways by ``p``.
+
+    ``Shard`` chunks like ``torch.chunk``; ``_StridedShard(sf)`` first splits the dim
+    into ``sf`` pieces and gives each rank its chunk of every piece (the FSDP2 + TP
+    layout), so rank 0 holds the first chunk of each piece.
+    """
+    if isinstance(p, Shard):
+        return _min((size + n - 1) // n, size)
+    sf = p.split_factor
+    piece = (size + sf - 1) // sf
+    total = 0
+    for k in range(sf):
+        length = _min(piece * (k + 1), size) - _min(piece * k, size)
+        total = total + _min((length + n - 1) // n, length)
+    return total
 
 
 def contiguous_strides(shape: Sequence[Any]) -> list:

@@ -168,7 +168,9 @@ def _coordinates(mesh: Any, symbolic: bool) -> list:
     if symbolic:
         with torch.distributed.config.patch(compile_on_one_rank=True):
             return [mesh._sym_get_coordinate(d) for d in range(mesh.ndim)]
-    coords = mesh.get_coordinate()
+    # From the current rank, like the runtime op compiled graphs use (a mesh object
+    # cached from another process-group incarnation must not leak its coordinate).
+    coords = type(mesh)._compute_coordinates_from_mesh(mesh.mesh, torch.distributed.get_rank())
     if coords is None:
         raise RuntimeError(
             f"compile_rng: this rank ({torch.distributed.get_rank()}) is not part of the mesh "

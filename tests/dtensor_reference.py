@@ -1,0 +1,72 @@
+"""Expected DTensor shard values in tracker mode, computed independently of compile_rng:
+the shard's start offset from torch's own OffsetBasedRNGTracker helpers, the values
+from the scalar pure-Python stream reference."""
+
+from __future__ import annotations
+
+import contextlib
+
+import reference as ref
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _random as dtensor_random
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def ceil4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def tracker_start(dt: DTensor, coord: list[int]) -> int:
+    """``OffsetBasedRNGTracker``'s start offset for ``coord``, via torch's helpers."""
+    spec = dt._spec
+    idx, total = dtensor_random._calc_shard_info(coord, spec)
+    linear = dtensor_random._calc_shard_linear_idx(idx, total)
+    first = 1
+    for s in dtensor_random._calc_first_shard_size(spec):
+        first *= s
+    return ceil4(linear * first)
+
+
+def counters(dt: DTensor, base: int) -> list[int]:
+    """Counters of the calling rank's local elements (row-major) in tracker mode."""
+    coord = dt.device_mesh.get_coordinate()
+    start = base + tracker_start(dt, coord)
+    return [start + i for i in range(dt.to_local().numel())]
+
+
+def uniform(seed: int, cs: list[int], shape, low=0.0, high=1.0) -> torch.Tensor:
+    from helpers import f32
+
+    vals = [f32(f32(ref.uniform01(seed, c, "float32") * f32(high - low)) + f32(low)) for c in cs]
+    return torch.tensor(vals, dtype=torch.float32).view(shape)
+
+
+def normal(seed: int, cs: list[int], shape) -> torch.Tensor:
+    return torch.tensor([ref.normal_std(seed, c) for c in cs], dtype=torch.float64).view(shape)
+
+
+def keep(seed: int, cs: list[int], shape, p: float) -> torch.Tensor:
+    return torch.tensor([ref.keep_bernoulli(seed, c, p) for c in cs]).view(shape)
+
+
+def local_zeros(global_shape, mesh, placements, dtype=torch.float32) -> DTensor:
+    """A DTensor of zeros built without communication (works on the fake process group)."""
+    local_shape, _ = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    stride = torch.empty(global_shape).stride()
+    return DTensor.from_local(
+        torch.zeros(local_shape, dtype=dtype), mesh, placements, shape=torch.Size(global_shape), stride=stride
+    )
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int):
+    """Act as ``rank`` of ``world`` in this process (no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
