@@ -1,0 +1,81 @@
+"""Dropout in training: forward and backward use one mask, also when the backward
+recomputes it (activation checkpointing, the memory-budget partitioner: pytorch
+#190758 re-draws it there), on plain tensors and on DTensor activations."""
+
+import reference as ref
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import compile_rng
+
+SEED = 77
+N = (64, 64)
+P = 0.5
+
+
+def expected_keep(base: int = 0) -> torch.Tensor:
+    n = N[0] * N[1]
+    return torch.tensor([ref.keep_bernoulli(SEED, base + i, 1 - P) for i in range(n)]).view(N).float()
+
+
+def block(x, w):
+    return F.dropout(torch.relu(x), P) * w
+
+
+def checkpointed(x, w):
+    return checkpoint(block, x, w, use_reentrant=False)
+
+
+def _grads(fn, x, w):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    compile_rng.manual_seed(SEED)
+    out = fn(x, w)
+    out.sum().backward()
+    return out.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize(
+    "fn,budget",
+    [(block, 1.0), (checkpointed, 1.0), (block, 0.0)],
+    ids=["plain", "checkpoint", "memory-budget-0"],
+)
+def test_backward_uses_the_forward_mask(fn, budget):
+    torch._dynamo.reset()
+    x, w = torch.randn(N), torch.randn(N)
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        out, gx, gw = _grads(torch.compile(fn, backend=compile_rng.backend()), x, w)
+    noise = expected_keep().div_(1 - P)
+    relu = torch.relu(x)
+    assert torch.equal(out, relu * noise * w)
+    assert torch.equal(gw, relu * noise)
+    assert torch.equal(gx, (w * noise) * (x > 0))
+    assert compile_rng.get_state() == (SEED, N[0] * N[1])
+
+
+def test_dtensor_dropout_forward_backward_matches_eager():
+    from dtensor_reference import fake_rank
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch._dynamo.reset()
+    compiled = torch.compile(checkpointed, backend=compile_rng.backend())
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            mesh = DeviceMesh("cpu", [0, 1])
+            torch.manual_seed(0)
+            x_local, w_local = torch.randn(32, 64), torch.randn(32, 64)
+            results = []
+            for fn in (block, compiled):  # eager DTensor (the tracker) vs compiled + checkpoint
+                x = DTensor.from_local(x_local.clone(), mesh, [Shard(0)]).requires_grad_()
+                w = DTensor.from_local(w_local.clone(), mesh, [Shard(0)]).requires_grad_()
+                compile_rng.manual_seed(SEED)
+                out = fn(x, w)
+                out.sum().backward()
+                results.append((out.to_local().detach(), x.grad.to_local(), w.grad.to_local()))
+            for e, c in zip(*results):
+                assert torch.equal(e, c)
+            kept = results[1][2] != 0  # relu(x) * mask: a quarter survives both
+            assert 0.15 < kept.float().mean() < 0.35
