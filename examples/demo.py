@@ -1,13 +1,20 @@
-"""compile_rng demo: functional random numbers in a compiled model, on several CPU ranks.
+"""compile_rng demo: SPMD random numbers in a compiled tensor-parallel model on CPU ranks.
 
-Starts WORLD gloo ranks (torch.multiprocessing). Every rank seeds with
-``torch.manual_seed``, then runs a small compiled MLP with dropout and a compiled
-``torch.rand`` through ``backend="compile_rng"``. Plain tensors are replicas, so every
-rank must draw the same bits; the demo gathers them and checks that, checks the values
-against the canonical stream computed by the eager kernels, and shows that the state
-advanced by exactly the graph's total (``ceil4(numel)`` per random op).
+Starts WORLD gloo ranks (torch.multiprocessing). Every rank:
 
-Run: ``python examples/demo.py [--world 2]``
+1. builds a small MLP on the meta device, tensor-parallelizes it (Colwise up-projection,
+   Rowwise down-projection), materializes it, and initializes it with a *compiled*
+   ``reset_parameters`` loop (``backend="compile_rng"``);
+2. runs a compiled forward with dropout on the sharded hidden activation and on the
+   replicated output, then a backward.
+
+The ranks then compare what they hold: sharded weights and activation masks must
+differ across ranks, replicated tensors must be bitwise equal, everything must equal
+an eager run (compile_rng is DTensor's RNG tracker on CPU, so eager is defined too) and
+the local shards must equal the canonical stream at the tracker offsets. Stock PyTorch
+2.13 on a CPU mesh gives every shard the same values.
+
+Run: ``python examples/demo.py [--world 4]``
 """
 
 from __future__ import annotations
@@ -23,81 +30,129 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-import compile_rng
-from compile_rng import ops
-
 SEED = 2026
+HIDDEN, DIM, BATCH = 64, 16, 8
 
 
-class Block(nn.Module):
+class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(64, 256)
-        self.down = nn.Linear(256, 64)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = F.dropout(F.gelu(self.up(x)), p=0.1, training=True)
-        noise = torch.rand(x.shape[0], 8)
-        return self.down(h), noise
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.gelu(self.up(x)), p=0.25)  # h is sharded over the hidden dim
+        return F.dropout(self.down(h), p=0.1)  # the output is replicated
 
 
-def _free_port() -> int:
+def init_weights(model: nn.Module) -> None:
+    for module in (model.up, model.down):
+        module.reset_parameters()  # kaiming_uniform_ / uniform_ on DTensor parameters
+
+
+def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _build(world: int):
+    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = MLP()
+    plan = {
+        "up": ColwiseParallel(use_local_output=False),  # keep h a DTensor: its dropout is sharded
+        "down": RowwiseParallel(input_layouts=Shard(-1), use_local_output=False),
+    }
+    model = parallelize_module(model, mesh, plan)
+    model.to_empty(device="cpu")
+    return model, mesh
+
+
+def _same_randomness(compiled: tuple, eager: tuple) -> bool:
+    """Weights bitwise; output and gradient: the same dropout zeros and values within
+    float tolerance (Inductor's matmuls sum in another order than eager's)."""
+    w_c, out_c, grad_c, state_c = compiled
+    w_e, out_e, grad_e, state_e = eager
+    same_zeros = torch.equal(out_c == 0, out_e == 0) and torch.equal(grad_c == 0, grad_e == 0)
+    close = torch.allclose(out_c, out_e, atol=1e-5) and torch.allclose(grad_c, grad_e, atol=1e-5)
+    return torch.equal(w_c, w_e) and same_zeros and close and state_c == state_e
+
+
 def run_rank(rank: int, world: int, port: int, results: dict) -> None:
+    import compile_rng
+    from compile_rng import ops
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)  # same weights everywhere
-    block = Block()
-    x = torch.randn(32, 64)
-    torch.manual_seed(SEED)  # the habit: also restarts compile_rng's stream
-    compiled = torch.compile(block, backend="compile_rng")
-    start = time.perf_counter()
-    out, noise = compiled(x)
-    elapsed = time.perf_counter() - start
-    seed, offset = compile_rng.get_state()
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
-    # Independent check: the same counters through the eager functional ops.
-    # Program order: dropout on (32, 256) at offset 0, then rand(32, 8) at ceil4(8192).
-    key = ops.make_key(SEED, 0)
-    want_noise = ops.uniform(key, 32 * 256, [32, 8], [8, 1], 0.0, 1.0, torch.float32)
-    h = F.gelu(block.up(x))
-    want_h, _ = ops.dropout(key, 0, h, [256, 1], 0.1)
-    want_out = block.down(want_h)
+    def train_step(model, init, forward, mesh):
+        torch.manual_seed(SEED)  # the habit on every rank; it also restarts compile_rng's stream
+        init(model)
+        x = distribute_tensor(torch.ones(BATCH, DIM), mesh, [Replicate()])
+        out = forward(x)
+        out.to_local().sum().backward()
+        weight = model.up.weight.to_local().detach().clone()
+        grad = model.up.weight.grad.to_local().clone()
+        return weight, out.to_local().detach(), grad, compile_rng.get_state()
+
+    start = time.perf_counter()
+    model, mesh = _build(world)
+    compiled = train_step(
+        model, torch.compile(init_weights, backend="compile_rng"), torch.compile(model, backend="compile_rng"), mesh
+    )
+    elapsed = time.perf_counter() - start
+    eager_model, _ = _build(world)
+    eager = train_step(eager_model, init_weights, eager_model, mesh)
+
+    # The canonical stream at this rank's tracker offset for up.weight: Colwise shards rows.
+    w = compiled[0]
+    rows = HIDDEN // world
+    key = ops.make_key(SEED, ((rank * rows * DIM) + 3) // 4 * 4)
+    bound = 1 / DIM**0.5  # kaiming_uniform_(a=sqrt(5)) on fan_in=DIM
+    want_w = ops.uniform(key, 0, [rows, DIM], [DIM, 1], -bound, bound, torch.float32)
 
     gathered = [None] * world
-    dist.all_gather_object(gathered, (out.detach(), noise))
+    dist.all_gather_object(gathered, (compiled[0], compiled[1], compiled[2]))
     if rank == 0:
+        weights, outs, grads = zip(*gathered)
+        distinct = lambda ts: all(not torch.equal(ts[i], ts[j]) for i in range(world) for j in range(i + 1, world))  # noqa: E731
         results.update(
-            replicas_equal=all(torch.equal(g[0], gathered[0][0]) and torch.equal(g[1], gathered[0][1]) for g in gathered),
-            matches_stream=torch.equal(noise, want_noise) and torch.allclose(out, want_out, atol=1e-6, rtol=0),
-            state=(seed, offset),
-            compile_and_run_s=elapsed,
+            weights_sharded_distinct=distinct(weights),
+            hidden_masks_distinct=distinct(grads),
+            outputs_replicated_equal=all(torch.equal(outs[0], o) for o in outs[1:]),
+            compiled_equals_eager=_same_randomness(compiled, eager),
+            weight_equals_stream=torch.equal(w, want_w),
+            state=compiled[3],
+            seconds=elapsed,
         )
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2, help="number of CPU ranks")
+    parser.add_argument("--world", type=int, default=4, help="number of CPU ranks (divides 64)")
     args = parser.parse_args()
-    print(f"compile_rng demo: {args.world} gloo ranks, torch {torch.__version__}")
-    print("compiling on every rank (Inductor, ~30 s on 2 cores)...", flush=True)
+    print(f"compile_rng demo: {args.world} gloo ranks, tensor-parallel MLP, torch {torch.__version__}")
+    print("compiling init and forward/backward on every rank (Inductor; ~1 min on 2 cores)...", flush=True)
     results = mp.Manager().dict()
-    mp.spawn(run_rank, args=(args.world, _free_port(), results), nprocs=args.world, join=True)
-    expected_offset = 32 * 256 + 32 * 8
+    mp.spawn(run_rank, args=(args.world, _port(), results), nprocs=args.world, join=True)
     rows = [
-        ("replicas bitwise equal on all ranks", results["replicas_equal"]),
-        ("values == canonical stream (eager kernels)", results["matches_stream"]),
-        (f"state advanced to (seed, {expected_offset})", results["state"] == (SEED, expected_offset)),
+        ("sharded weight (up.weight) differs on every rank", results["weights_sharded_distinct"]),
+        ("sharded hidden dropout masks differ on every rank", results["hidden_masks_distinct"]),
+        ("replicated output (incl. dropout) equal on all ranks", results["outputs_replicated_equal"]),
+        ("compiled == eager (weights bitwise, same masks, state)", results["compiled_equals_eager"]),
+        ("rank 0's up.weight == canonical stream at its offset", results["weight_equals_stream"]),
     ]
     width = max(len(r[0]) for r in rows)
     for name, ok in rows:
         print(f"  {name:<{width}}  {'OK' if ok else 'FAILED'}")
-    print(f"  first call (compile + run) on rank 0: {results['compile_and_run_s']:.1f} s")
+    print(f"  state after one step (seed, offset): {results['state']}")
+    print(f"  build + compile + run on rank 0: {results['seconds']:.1f} s")
     if not all(ok for _, ok in rows):
         raise SystemExit(1)
 

@@ -103,3 +103,23 @@ def test_sweep_inductor(case):
     code = be.plans[0].graphs[-1]
     assert "_runtime_compute_coordinate_on_dim" in code  # the coordinate is read at run time
     assert "aten.uniform" not in code and "aten.rand" not in code and "native_dropout" not in code
+
+
+def test_dynamic_shapes_one_graph_for_every_rank_and_size():
+    def fn(x):
+        return torch.rand_like(x) + F.dropout(x + 1, 0.5)
+
+    torch._dynamo.reset()
+    be = compile_rng.backend()
+    compiled = torch.compile(fn, backend=be, dynamic=True)
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            mesh = DeviceMesh("cpu", [0, 1])
+            for rows in (8, 12, 20):
+                results = []
+                for run in (fn, compiled):
+                    compile_rng.manual_seed(3)
+                    results.append(run(local_zeros((rows, 5), mesh, [Shard(0)])).to_local())
+                    assert compile_rng.get_state() == (3, 2 * ((rows * 5 + 3) // 4 * 4))
+                assert torch.equal(*results)
+    assert len(be.plans) == 1
