@@ -136,9 +136,10 @@ def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
 class _ShardRandomMode(TorchDispatchMode):
     """Inside a distribute region: replace the local random op, leave the rest alone."""
 
-    def __init__(self, sharding: Sharding, coords: list, key_fn):
+    def __init__(self, key_fn):
         super().__init__()
-        self.sharding, self.coords, self.key_fn = sharding, coords, key_fn
+        # key_fn(op) -> (key, offset): the counters of the region's op
+        self.key_fn = key_fn
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -219,7 +220,7 @@ class Tracker:
             seed, base = state.advance(int(sharding.advance()), device)
             return cr_ops.make_key(seed, base, device), start
 
-        with _ShardRandomMode(sharding, coords, key_fn):
+        with _ShardRandomMode(key_fn):
             yield
 
     def _manual_seed(self, parallel_seed: int) -> None:
