@@ -8,6 +8,8 @@ Public API:
   meshes then follow the SPMD contract in eager and compiled code alike.
 * :func:`backend` - ``torch.compile(fn, backend=compile_rng.backend(...))``; also
   registered as ``backend="compile_rng"``.
+* :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a
+  weight-initialization function; :func:`mode` - the counter layout of eager DTensor ops.
 * :mod:`compile_rng.ops` - the functional ops (``torch.ops.compile_rng.*``) and the
   canonical stream they implement (:mod:`compile_rng.stream`).
 """
@@ -36,10 +38,12 @@ _mount_source_passes()
 
 from . import ops, stream  # noqa: E402
 from .backend import backend  # noqa: E402
+from .init_decorator import init  # noqa: E402
 from .seeding import install_manual_seed_hook, manual_seed  # noqa: E402
 from .state import get_state, set_state  # noqa: E402
+from .tracker import mode  # noqa: E402
 
 install_manual_seed_hook()
 
-__all__ = ["backend", "get_state", "manual_seed", "ops", "set_state", "stream"]
+__all__ = ["backend", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
 __version__ = "0.1.0"

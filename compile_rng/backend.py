@@ -25,7 +25,6 @@ from . import state, tracker
 from .ops import make_key
 from .random_ops import INPLACE, RULES
 
-MODES = ("tracker",)
 INNERS = ("inductor", "aot_eager")
 
 
@@ -174,13 +173,14 @@ def backend(mode: str = "tracker", inner: str = "inductor") -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
     ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
-    on a one-rank mesh). ``inner`` is the compiler that runs after the pass:
+    on a one-rank mesh); ``mode="invariant"`` gives every element the counter of its
+    global row-major index, so the full tensor does not depend on the sharding. ``inner`` is the compiler that runs after the pass:
     ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging). The returned
     object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
     the total advance and the graph code after the pass.
     """
-    if mode not in MODES:
-        raise ValueError(f"compile_rng.backend: mode must be one of {MODES}, got {mode!r}")
+    if mode not in tracker.MODES:
+        raise ValueError(f"compile_rng.backend: mode must be one of {tracker.MODES}, got {mode!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
     return Backend(BackendConfig(mode, inner))

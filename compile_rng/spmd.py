@@ -7,6 +7,11 @@ its *layout*: an offset into the op's range plus per-dim counter strides.
 ``mode="tracker"`` reproduces ``OffsetBasedRNGTracker``: the shard's elements are a
 contiguous run starting at ``ceil4(shard_linear_idx * numel(first_shard))``.
 
+``mode="invariant"``: every element's counter is its row-major index in the *global*
+tensor, so the assembled tensor is the same for every mesh, placement and world size
+(a plain tensor is the world-size-1 case). The local shard is then an affine window of
+the global index space: ``offset + sum(idx[d] * strides[d])``.
+
 The formulas use only ``+ * //`` (and the placement's own first-shard size), so one
 definition evaluates on ints (eager), on SymInts (tracing: coordinates are runtime
 values, so one graph serves every rank) and on sympy symbols (reports).
@@ -90,12 +95,99 @@ class Sharding:
             stride = stride * count
         return linear
 
+    def layout(self, mode: str, coords: Sequence[Any], local_shape: Sequence[Any]) -> tuple[Any, list]:
+        """``(offset, strides)`` of the local shard's counters within the op's range."""
+        if mode == "tracker":
+            return self.tracker_start(coords), contiguous_strides(local_shape)
+        return self.invariant_window(coords)
+
+    def invariant_window(self, coords: Sequence[Any]) -> tuple[Any, list]:
+        """The local shard's global row-major indices as ``(offset, strides)``.
+
+        Applies the placements left to right like DTensor does: each tensor dim keeps
+        its local indices as an affine view ``off + sum(m_t * s_t)`` over factors
+        ``(n_t, s_t)``; ``Shard`` takes a ``torch.chunk`` piece of it, ``_StridedShard``
+        splits it into ``split_factor`` pieces and takes this rank's chunk of each.
+        """
+        views = [_DimView(0, [(size, 1)]) for size in self.global_shape]
+        for mesh_dim, p in enumerate(self.placements):
+            if isinstance(p, SHARDS):
+                views[p.dim] = views[p.dim].split(p, self.mesh_shape[mesh_dim], coords[mesh_dim], self)
+        global_strides = contiguous_strides(self.global_shape)
+        offset, strides = 0, []
+        for view, gs in zip(views, global_strides):
+            offset = offset + view.off * gs
+            strides.append(view.stride(self) * gs)
+        return offset, strides
+
     def tracker_start(self, coords: Sequence[Any]) -> Any:
         """Offset of this rank's first element in tracker mode."""
         first = 1
         for s in self.first_shard_shape():
             first = first * s
         return ceil4(self.shard_linear_index(coords) * first)
+
+
+@dataclass
+class _DimView:
+    """Global indices of one tensor dim's local elements: ``off + sum(m_t * s_t)``,
+    ``m`` running row-major over ``factors = [(n_t, s_t), ...]``."""
+
+    off: Any
+    factors: list
+
+    def _unsupported(self, sharding: "Sharding", why: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"compile_rng mode='invariant': placements {sharding.placements} on global shape "
+            f"{sharding.global_shape} leave {why}; use tracker mode for this tensor or a shape "
+            "that the mesh divides evenly"
+        )
+
+    def split(self, p: Any, n: int, r: Any, sharding: "Sharding") -> "_DimView":
+        if isinstance(p, _StridedShard):
+            if len(self.factors) != 1:
+                raise self._unsupported(sharding, "a _StridedShard of an already strided dim")
+            (size, stride), sf = self.factors[0], p.split_factor
+            if not (_static(size) and size % sf == 0 and (size // sf) % n == 0):
+                raise self._unsupported(sharding, "uneven _StridedShard pieces")
+            piece, chunk = size // sf, size // sf // n
+            return _DimView(self.off + r * chunk * stride, [(sf, piece * stride), (chunk, stride)])
+        if len(self.factors) == 1:  # torch.chunk of a contiguous run: still contiguous
+            (size, stride), = self.factors
+            chunk = (size + n - 1) // n
+            start = _min(r * chunk, size)
+            length = _max(_min(chunk, size - start), 0)
+            return _DimView(self.off + start * stride, [(length, stride)])
+        (outer, s_outer), (inner, s_inner) = self.factors
+        total = outer * inner
+        if not (_static(total) and total % n == 0):
+            raise self._unsupported(sharding, "an uneven split of a strided dim")
+        length = total // n
+        start = r * length
+        if length % inner == 0:  # whole inner runs
+            return _DimView(self.off + start // inner * s_outer, [(length // inner, s_outer), (inner, s_inner)])
+        if inner % length == 0:  # a piece of one inner run
+            return _DimView(self.off + start // inner * s_outer + start % inner * s_inner, [(length, s_inner)])
+        raise self._unsupported(sharding, "a split across strided pieces")
+
+    def stride(self, sharding: "Sharding") -> Any:
+        """The counter stride of a local index step (the view must be one run)."""
+        runs = [(n, s) for n, s in self.factors if not (_static(n) and n == 1)]
+        if len(runs) > 1:
+            raise self._unsupported(sharding, "a strided (non-affine) local shard")
+        return runs[0][1] if runs else 1
+
+
+def _static(v: Any) -> bool:
+    return isinstance(v, int)
+
+
+def _max(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_max(a, b)
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Max(a, b)
+    return max(a, b)
 
 
 def _min(a: Any, b: Any) -> Any:

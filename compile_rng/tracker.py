@@ -34,6 +34,7 @@ from . import ops as cr_ops
 from . import state
 from .random_ops import INPLACE, RULES, RandomCall, is_random, unsupported
 from .spmd import Sharding, contiguous_strides
+from .stream import ceil4
 
 aten = torch.ops.aten
 
@@ -60,6 +61,7 @@ class Site:
     """A DTensor random op seen while tracing (for the pass, dumps and reports)."""
 
     op: str
+    mode: str
     sharding: Sharding
     start: Any  # SymInt/int: offset of the rank's first counter within the op's range
     advance: Any  # SymInt/int: counters the op reserves
@@ -85,6 +87,25 @@ def tracing_for_backend(mode: str) -> Iterator[None]:
         yield
     finally:
         _tracing_for_compile_rng.reset(token)
+
+
+MODES = ("tracker", "invariant")
+_eager_mode: contextvars.ContextVar[str] = contextvars.ContextVar("compile_rng_mode", default="tracker")
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Counter layout of eager DTensor random ops inside the block (``"tracker"`` by
+    default, or ``"invariant"``). Compiled graphs take the mode of their backend; code
+    that graph-breaks out of one runs eagerly, so wrap the call in the same mode
+    (``@compile_rng.init`` does)."""
+    if name not in MODES:
+        raise ValueError(f"compile_rng.mode: expected one of {MODES}, got {name!r}")
+    token = _eager_mode.set(name)
+    try:
+        yield
+    finally:
+        _eager_mode.reset(token)
 
 
 # --- replacing the local op -----------------------------------------------------------
@@ -133,17 +154,23 @@ def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
 
 
-class _ShardRandomMode(TorchDispatchMode):
-    """Inside a distribute region: replace the local random op, leave the rest alone."""
+class RandomOpMode(TorchDispatchMode):
+    """Replaces random ops with the functional ops at the counters ``counters`` assigns.
 
-    def __init__(self, key_fn):
+    ``counters(op, local_shape) -> (key, offset, strides)``. With ``plain_only`` the
+    mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
+    region then applies the sharded layout.
+    """
+
+    def __init__(self, counters, plain_only: bool = False):
         super().__init__()
-        # key_fn(op) -> (key, offset): the counters of the region's op
-        self.key_fn = key_fn
+        self.counters, self.plain_only = counters, plain_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         functional = INPLACE.get(func, func)
+        if self.plain_only and any(t is not torch.Tensor for t in types):
+            return func(*args, **kwargs)
         if functional not in RULES:
             if is_random(func):
                 raise unsupported(func)
@@ -151,18 +178,36 @@ class _ShardRandomMode(TorchDispatchMode):
         kw = _normalize(func, args, kwargs)
         if kw.get("generator") is not None:
             raise NotImplementedError(
-                f"compile_rng: {func} on a DTensor got generator=; DTensor random ops draw from "
-                "compile_rng's stream (seed it with compile_rng.manual_seed) - drop the argument"
+                f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
+                "argument (seed with compile_rng.manual_seed) or call it outside"
             )
         size, dtype = _out_shape_dtype(func, kw)
-        key, offset = self.key_fn(func)
-        call = _TensorCall(functional, kw, key, offset, contiguous_strides(size), size, dtype)
+        key, offset, strides = self.counters(func, size)
+        call = _TensorCall(functional, kw, key, offset, strides, size, dtype)
         result = RULES[functional](call)
-        if func is not functional:  # in-place: write into the local shard
+        if func is not functional:  # in-place: write into the target
             target = kw["input"]
             target.copy_(result[0] if isinstance(result, tuple) else result)
             return target
         return result
+
+
+def _plain_counters(func, size):
+    numel = 1
+    for s in size:
+        numel *= s
+    seed, base = state.advance(ceil4(numel))
+    return cr_ops.make_key(seed, base), 0, contiguous_strides(size)
+
+
+@contextlib.contextmanager
+def eager_stream() -> Iterator[None]:
+    """Eager random ops on plain CPU tensors inside the block draw from compile_rng's
+    stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
+    ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
+    keep going through the tracker. Disables ``torch.compile`` inside the block."""
+    with RandomOpMode(_plain_counters, plain_only=True):
+        yield
 
 
 def _coordinates(mesh: Any, symbolic: bool) -> list:
@@ -203,24 +248,25 @@ class Tracker:
             # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
             yield
             return
-        if tracing and _tracing_for_compile_rng.get() is None:
+        mode = _tracing_for_compile_rng.get() if tracing else _eager_mode.get()
+        if mode is None:
             raise RuntimeError(
                 "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
                 "DTensor random ops on a CPU mesh need torch.compile(..., backend='compile_rng')"
             )
         coords = _coordinates(spec.mesh, symbolic=tracing)
-        start = sharding.tracker_start(coords)
         device = torch.device(spec.mesh.device_type)
 
-        def key_fn(func):
+        def counters(func, local_shape):
+            offset, strides = sharding.layout(mode, coords, local_shape)
             if tracing:
                 site_id = next(_site_ids)
-                _sites[site_id] = Site(str(func), sharding, start, sharding.advance())
-                return pending_key(site_id, device), start
+                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance())
+                return pending_key(site_id, device), offset, strides
             seed, base = state.advance(int(sharding.advance()), device)
-            return cr_ops.make_key(seed, base, device), start
+            return cr_ops.make_key(seed, base, device), offset, strides
 
-        with _ShardRandomMode(key_fn):
+        with RandomOpMode(counters):
             yield
 
     def _manual_seed(self, parallel_seed: int) -> None:

@@ -1,0 +1,70 @@
+"""``@compile_rng.init``: run a weight-initialization function on compile_rng's stream."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import tracker
+from .backend import backend
+
+
+def init(
+    fn: Callable | None = None, *, mode: str = "tracker", inner: str = "inductor", compile: bool | str = "auto"
+) -> Any:
+    """Decorate a function that initializes modules or tensors (``model.init_weights``,
+    a ``reset_parameters`` loop, ``nn.init.*`` calls).
+
+    Calling it runs the function under ``torch.no_grad()`` and returns what it returns,
+    with every random op - on DTensors and on plain tensors alike - drawing from
+    compile_rng's stream in ``mode`` (``"tracker"`` or ``"invariant"``).
+
+    ``compile``: ``"auto"`` (default) compiles the function as one graph with
+    ``compile_rng.backend(mode, inner)`` (cached by ``torch.compile`` per module
+    structure); a function Dynamo cannot capture whole - ``nn.init.trunc_normal_`` is a
+    data-dependent rejection loop in torch 2.13 - runs eagerly instead, with the same
+    values, after a one-time warning. ``True`` requires the single graph (raises
+    otherwise); ``False`` always runs eagerly. Eager plain-tensor random ops must not
+    fall back to torch's own generator, so partial graphs are never used.
+    """
+    if mode not in tracker.MODES:
+        raise ValueError(f"compile_rng.init: mode must be one of {tracker.MODES}, got {mode!r}")
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile_rng.init: compile must be True, False or 'auto', got {compile!r}")
+
+    def decorate(f: Callable) -> Callable:
+        be = backend(mode=mode, inner=inner)
+        compiled = torch.compile(f, backend=be, fullgraph=True)
+        use_graph = compile is not False
+
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal use_graph
+            with tracker.mode(mode), torch.no_grad():
+                if use_graph:
+                    try:
+                        return compiled(*args, **kwargs)
+                    except torch._dynamo.exc.Unsupported as e:  # raised while tracing: nothing ran
+                        if compile is True:
+                            raise RuntimeError(
+                                f"compile_rng.init(compile=True): {f.__qualname__} does not compile as one "
+                                "graph; pass compile='auto' or False to run it eagerly on the stream"
+                            ) from e
+                        warnings.warn(
+                            f"compile_rng.init: {f.__qualname__} does not compile as one graph "
+                            f"({str(e).splitlines()[0]}); running it eagerly on compile_rng's stream",
+                            stacklevel=2,
+                        )
+                        use_graph = False
+                with tracker.eager_stream():
+                    return f(*args, **kwargs)
+
+        run.backend = be
+        run.compiled = lambda: use_graph
+        return run
+
+    return decorate(fn) if fn is not None else decorate
