@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(PY) examples/demo.py
+	$(PY) examples/llama_init.py
 
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -11,10 +12,16 @@ import torch
 
 from . import tracker
 from .backend import backend
+from .fqn_streams import fqn_streams, modules_in
 
 
 def init(
-    fn: Callable | None = None, *, mode: str = "tracker", inner: str = "inductor", compile: bool | str = "auto"
+    fn: Callable | None = None,
+    *,
+    mode: str = "tracker",
+    inner: str = "inductor",
+    compile: bool | str = "auto",
+    key: str | None = None,
 ) -> Any:
     """Decorate a function that initializes modules or tensors (``model.init_weights``,
     a ``reset_parameters`` loop, ``nn.init.*`` calls).
@@ -30,16 +37,26 @@ def init(
     values, after a one-time warning. ``True`` requires the single graph (raises
     otherwise); ``False`` always runs eagerly. Eager plain-tensor random ops must not
     fall back to torch's own generator, so partial graphs are never used.
+
+    ``key="fqn"``: every parameter and buffer of the ``nn.Module`` arguments draws from
+    its own stream, derived from ``(seed, its fully qualified name)`` instead of from
+    program order (:mod:`compile_rng.fqn_streams`), so a pipeline stage that initializes
+    only its layers gets their single-device values with no seed checkpoint and no
+    messages between stages. It runs eagerly (the per-name seeds are host values).
     """
     if mode not in tracker.MODES:
         raise ValueError(f"compile_rng.init: mode must be one of {tracker.MODES}, got {mode!r}")
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile_rng.init: compile must be True, False or 'auto', got {compile!r}")
+    if key not in (None, "fqn"):
+        raise ValueError(f"compile_rng.init: key must be None or 'fqn', got {key!r}")
+    if key == "fqn" and compile is True:
+        raise ValueError("compile_rng.init: key='fqn' runs eagerly; drop compile=True")
 
     def decorate(f: Callable) -> Callable:
         be = backend(mode=mode, inner=inner)
         compiled = torch.compile(f, backend=be, fullgraph=True)
-        use_graph = compile is not False
+        use_graph = compile is not False and key is None
 
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -60,7 +77,8 @@ def init(
                             stacklevel=2,
                         )
                         use_graph = False
-                with tracker.eager_stream():
+                streams = fqn_streams(modules_in(args, kwargs)) if key == "fqn" else contextlib.nullcontext()
+                with streams, tracker.eager_stream():
                     return f(*args, **kwargs)
 
         run.backend = be

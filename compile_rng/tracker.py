@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import fqn_streams, state
 from . import ops as cr_ops
-from . import state
 from .random_ops import INPLACE, RULES, RandomCall, is_random, unsupported
 from .spmd import Sharding, contiguous_strides
 from .stream import ceil4
@@ -182,6 +182,7 @@ class RandomOpMode(TorchDispatchMode):
                 "argument (seed with compile_rng.manual_seed) or call it outside"
             )
         size, dtype = _out_shape_dtype(func, kw)
+        fqn_streams.select_for(kw.get("input"))
         key, offset, strides = self.counters(func, size)
         call = _TensorCall(functional, kw, key, offset, strides, size, dtype)
         result = RULES[functional](call)
