@@ -4,12 +4,14 @@ Public API:
 
 * :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
   state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
-  Seeding installs compile_rng as DTensor's RNG tracker: DTensor random ops on CPU
-  meshes then follow the SPMD contract in eager and compiled code alike.
+  Importing compile_rng installs it as DTensor's RNG tracker: DTensor random ops on
+  CPU meshes follow the SPMD contract in eager and compiled code alike.
 * :func:`backend` - ``torch.compile(fn, backend=compile_rng.backend(...))``; also
   registered as ``backend="compile_rng"``.
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a
   weight-initialization function; :func:`mode` - the counter layout of eager DTensor ops.
+* :func:`dump` (depyf dumps plus annotated graphs before/after the pass) and
+  :func:`explain` (a report of every random op, its placements and offsets per rank).
 * :mod:`compile_rng.ops` - the functional ops (``torch.ops.compile_rng.*``) and the
   canonical stream they implement (:mod:`compile_rng.stream`).
 """
@@ -38,12 +40,16 @@ _mount_source_passes()
 
 from . import ops, stream  # noqa: E402
 from .backend import backend  # noqa: E402
+from .dump import dump  # noqa: E402
 from .init_decorator import init  # noqa: E402
+from .report import explain  # noqa: E402
 from .seeding import install_manual_seed_hook, manual_seed  # noqa: E402
 from .state import get_state, set_state  # noqa: E402
+from . import tracker  # noqa: E402
 from .tracker import mode  # noqa: E402
 
 install_manual_seed_hook()
+tracker.install()  # importing compile_rng opts DTensor random ops on CPU meshes into its stream
 
-__all__ = ["backend", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
+__all__ = ["backend", "dump", "explain", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ from torch import fx
 from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 
 from . import state, tracker
+from .dump import write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES
 
@@ -39,6 +40,7 @@ def _caches_off():
 class BackendConfig:
     mode: str = "tracker"
     inner: str = "inductor"
+    collect_unsupported: bool = False  # explain(): list unsupported ops instead of raising
 
 
 class _AdvanceFn:
@@ -134,13 +136,22 @@ def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphM
     example = make_key(0, 0)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if fake_mode is not None:
-        example = fake_mode.from_tensor(example)
+        example = fake_mode.from_tensor(example, static_shapes=True)
     key.meta["example_value"] = key.meta["val"] = example
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm, [*example_inputs, example]
+
+
+def _graph_name(gm: fx.GraphModule) -> str:
+    """``<function>.<compile id>`` of the graph Dynamo hands over (for file names)."""
+    ctx = torch._guards.TracingContext.try_get()
+    codes = getattr(ctx, "traced_code", None) or []
+    func = codes[0].co_name if codes else "graph"
+    compile_id = str(gm.meta.get("dynamo_compile_id", "0")).replace("/", "_")
+    return f"{func.strip('<>')}.{compile_id}"
 
 
 class Backend:
@@ -152,12 +163,13 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        plan = RngPlan()
+        plan = RngPlan(name=_graph_name(gm), collect_unsupported=self.config.collect_unsupported)
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
         with tracker.tracing_for_backend(self.config.mode):
             compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
         advance = _AdvanceFn(plan.total_advance, placeholders)
         self.plans.append(plan)
+        write_plan(plan)
 
         def run(*args):
             seed, offset = state.advance(advance(args))

@@ -65,6 +65,7 @@ class Site:
     sharding: Sharding
     start: Any  # SymInt/int: offset of the rank's first counter within the op's range
     advance: Any  # SymInt/int: counters the op reserves
+    coords: tuple  # the runtime mesh coordinate (SymInts) ``start`` is a function of
 
 _sites: dict[int, Site] = {}
 _site_ids = itertools.count()
@@ -233,9 +234,17 @@ class Tracker:
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
+    def __init__(self) -> None:
+        self._fallbacks: dict[str, Any] = {}
+
     @torch._dynamo.disable
     @contextlib.contextmanager
     def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        if spec.mesh.device_type != "cpu":
+            # Accelerator meshes keep torch's own tracker (its generator is Philox already).
+            with self._fallback(spec.mesh)._distribute_region(spec, generator):
+                yield
+            return
         sharding = Sharding.from_spec(spec)
         if generator is not None:
             raise NotImplementedError(
@@ -262,13 +271,20 @@ class Tracker:
             offset, strides = sharding.layout(mode, coords, local_shape)
             if tracing:
                 site_id = next(_site_ids)
-                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance())
+                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance(), tuple(coords))
                 return pending_key(site_id, device), offset, strides
             seed, base = state.advance(int(sharding.advance()), device)
             return cr_ops.make_key(seed, base, device), offset, strides
 
         with RandomOpMode(counters):
             yield
+
+    def _fallback(self, mesh: Any) -> Any:
+        from torch.distributed.tensor._random import OffsetBasedRNGTracker
+
+        if mesh.device_type not in self._fallbacks:
+            self._fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
+        return self._fallbacks[mesh.device_type]
 
     def _manual_seed(self, parallel_seed: int) -> None:
         state.manual_seed(parallel_seed)

@@ -42,22 +42,50 @@ class RewrittenOp:
 
     original: str
     replacement: str
+    node: str  # name of the functional op's node in the rewritten graph
+    source: str  # "file:line" of the user code, if known
     local_shape: tuple
     dtype: torch.dtype
     offset: sympy.Expr  # base of the op's counter range, relative to the call's key
     advance: sympy.Expr
+    mode: str = "tracker"
     sharding: Sharding | None = None  # None for plain tensors
     start: sympy.Expr = sympy.Integer(0)  # the rank's first counter within the range
+    coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
+
+
+@dataclass
+class Unsupported:
+    """A random op the pass could not rewrite (collected instead of raised on request)."""
+
+    op: str
+    source: str
+    reason: str
 
 
 @dataclass
 class RngPlan:
     """What the pass did to one compiled graph; filled in as the pass runs."""
 
+    name: str = "graph"  # which compiled function (set by the backend)
     ops: list[RewrittenOp] = field(default_factory=list)
     total_advance: sympy.Expr = sympy.Integer(0)
-    #: Python code of each graph after the pass rewrote it.
+    #: Python code of each graph before and after the pass rewrote it.
+    graphs_before: list[str] = field(default_factory=list)
     graphs: list[str] = field(default_factory=list)
+    #: explain() sets this: unsupported ops are recorded and left in place.
+    collect_unsupported: bool = False
+    unsupported: list[Unsupported] = field(default_factory=list)
+
+
+def source_of(node: fx.Node) -> str:
+    """``file:line`` of the innermost user frame that created ``node``."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return "?"
+    parts = frames[-1].split(",")
+    return f"{parts[0][6:-1]}:{parts[1].split()[-1]}" if len(parts) > 1 else frames[-1]
 
 
 def _expr(v: Any) -> sympy.Expr:
@@ -106,6 +134,17 @@ class _GraphCall(RandomCall):
         with fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
         return node
+
+
+def _functional_node(node: fx.Node) -> fx.Node:
+    """The compile_rng op behind a rule's result (derived distributions add arithmetic)."""
+    todo = [node]
+    while todo:
+        n = todo.pop(0)
+        if getattr(n.target, "namespace", None) == "compile_rng":
+            return n
+        todo.extend(a for a in n.all_input_nodes)
+    raise AssertionError(f"no compile_rng op behind {node}")
 
 
 def find_key(graph: fx.Graph) -> fx.Node:
@@ -158,25 +197,41 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
     if not sites:
         return
+    plan.graphs_before.append(graph.python_code("self").src)
     key = find_key(graph)
     emitter = SymEmitter(graph)
     for node in sites:
         base = plan.total_advance
+        if node.target is not pending_key:
+            try:
+                _check_plain(node, key)
+            except NotImplementedError as e:
+                if not plan.collect_unsupported:
+                    raise
+                plan.unsupported.append(Unsupported(str(node.target), source_of(node), str(e)))
+                continue
         with graph.inserting_before(node):
             base_value = emitter.emit(base)
             if node.target is pending_key:
                 info = tracker.site(node.args[0])
                 new = _resolve_pending(node, key, base_value)
                 advance = _expr(info.advance)
-                record = RewrittenOp(info.op, str(new.target), tuple(_expr(s) for s in _first_val(new).shape),
-                                     _first_val(new).dtype, base, advance, info.sharding, _expr(info.start))
+                val = _first_val(new)
+                record = RewrittenOp(
+                    info.op, str(new.target), new.name, source_of(new), tuple(_expr(s) for s in val.shape),
+                    val.dtype, base, advance, info.mode, info.sharding, _expr(info.start),
+                    tuple(_expr(c) for c in info.coords),
+                )
             else:
-                _check_plain(node, key)
                 call = _GraphCall(node, key, base_value, emitter)
                 new = RULES[node.target](call)
                 numel = sympy.Mul(*call.shape) if call.shape else sympy.Integer(1)
                 advance = ceil4_expr(numel)
-                record = RewrittenOp(str(node.target), str(new.target), tuple(call.shape), call.dtype, base, advance)
+                functional = _functional_node(new)
+                record = RewrittenOp(
+                    str(node.target), str(functional.target), functional.name, source_of(node),
+                    tuple(call.shape), call.dtype, base, advance,
+                )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)
         plan.ops.append(record)
