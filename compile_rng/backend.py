@@ -79,7 +79,7 @@ def _decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     # The rewrite handles these itself; Inductor's decompositions would change their values.
-    handled = set(RULES) | set(INPLACE)
+    handled = set(RULES) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
     return {op: fn for op, fn in select_decomp_table().items() if op not in handled}
 
 

@@ -203,11 +203,15 @@ def dropout_scale(p: float, dtype: torch.dtype) -> float:
     """``1 / (1 - p)`` rounded as ATen's CPU dropout rounds it: divided in the compute
     dtype, stored in ``dtype`` (so eager DTensor dropout, which runs ATen's
     ``bernoulli_``/``div_``/``mul`` composite, gives the same bits)."""
-    if p == 1.0:
+    return keep_scale(1.0 - p, dtype)
+
+
+def keep_scale(keep: float, dtype: torch.dtype) -> float:
+    """:func:`dropout_scale` from the keep probability ``1 - p``."""
+    if keep == 0.0:
         return 0.0
     cdt = compute_dtype(dtype)
-    one, keep = torch.tensor(1.0, dtype=cdt), torch.tensor(1.0 - p, dtype=cdt)
-    return float((one / keep).to(dtype))
+    return float((torch.tensor(1.0, dtype=cdt) / torch.tensor(keep, dtype=cdt)).to(dtype))
 
 
 def dropout_apply(m: Math, x: Any, keep: Any, dtype: torch.dtype, p: float) -> Any:

@@ -188,12 +188,39 @@ def _resolve_pending(node: fx.Node, key: fx.Node, base: Any) -> fx.Node:
     return user
 
 
+def _match_dropout_backward(graph: fx.Graph) -> None:
+    """Scale dropout gradients exactly like the forward.
+
+    ``native_dropout_backward`` multiplies by ``1 / (1 - p)`` rounded once from double;
+    the forward (and eager DTensor dropout) use the canonical scale divided in the
+    compute dtype, which differs by an ulp for some ``p``. The gradient must be the
+    derivative of what the forward computed.
+    """
+    from compile_rng.stream import keep_scale
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout_backward.default):
+        grad, mask, scale = node.args
+        dtype = node.meta["val"].dtype
+        s = keep_scale(1.0 / scale, dtype) if scale else 0.0
+        with graph.inserting_before(node):
+            kept = graph.call_function(torch.ops.aten.mul.Tensor, (grad, mask))
+            new = graph.call_function(torch.ops.aten.mul.Tensor, (kept, s))
+        fake_mode = torch._guards.detect_fake_mode([node.meta["val"]])
+        with fake_mode:
+            kept.meta["val"] = torch.ops.aten.mul.Tensor(grad.meta["val"], mask.meta["val"])
+            new.meta["val"] = torch.ops.aten.mul.Tensor(kept.meta["val"], s)
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
 def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     """Rewrite every random op of ``graph`` in place; append what was done to ``plan``.
 
     Idempotent: a graph with no stateful random op and no pending key is left
     unchanged, so the pass can run on the joint graph and again on its partitions.
     """
+    _match_dropout_backward(graph)
     sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
     if not sites:
         return

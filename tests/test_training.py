@@ -2,6 +2,8 @@
 recomputes it (activation checkpointing, the memory-budget partitioner: pytorch
 #190758 re-draws it there), on plain tensors and on DTensor activations."""
 
+import sys
+
 import reference as ref
 import pytest
 import torch
@@ -42,7 +44,9 @@ def _grads(fn, x, w):
     [(block, 1.0), (checkpointed, 1.0), (block, 0.0)],
     ids=["plain", "checkpoint", "memory-budget-0"],
 )
-def test_backward_uses_the_forward_mask(fn, budget):
+@pytest.mark.parametrize("p", [0.5, 0.09], ids=["p=0.5", "p=0.09 (1/(1-p) rounds differently in fp32)"])
+def test_backward_uses_the_forward_mask(fn, budget, p, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "P", p)
     torch._dynamo.reset()
     x, w = torch.randn(N), torch.randn(N)
     with torch._functorch.config.patch(activation_memory_budget=budget):
