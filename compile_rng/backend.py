@@ -21,7 +21,7 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 
-from . import state, tracker
+from . import state, tracker, verify
 from .dump import write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES
@@ -41,6 +41,7 @@ class BackendConfig:
     mode: str = "tracker"
     inner: str = "inductor"
     collect_unsupported: bool = False  # explain(): list unsupported ops instead of raising
+    verify: bool = False  # check that all ranks agree before every call (verify.py)
 
 
 class _AdvanceFn:
@@ -171,7 +172,12 @@ class Backend:
         self.plans.append(plan)
         write_plan(plan)
 
+        check = verify.enabled(self.config.verify)
+        graph_signature = verify.signature(plan)
+
         def run(*args):
+            if check:
+                verify.check(plan.name, *state.get_state(), graph_signature)
             seed, offset = state.advance(advance(args))
             return compiled(*args, make_key(seed, offset))
 
@@ -181,7 +187,7 @@ class Backend:
         return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r})"
 
 
-def backend(mode: str = "tracker", inner: str = "inductor") -> Backend:
+def backend(mode: str = "tracker", inner: str = "inductor", verify: bool = False) -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
     ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
@@ -189,13 +195,15 @@ def backend(mode: str = "tracker", inner: str = "inductor") -> Backend:
     global row-major index, so the full tensor does not depend on the sharding. ``inner`` is the compiler that runs after the pass:
     ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging). The returned
     object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
-    the total advance and the graph code after the pass.
+    the total advance and the graph code after the pass. ``verify=True`` (or the
+    environment variable ``COMPILE_RNG_VERIFY=1``) checks before every call that all
+    ranks agree on seed, offset and graph, and raises on every rank if not.
     """
     if mode not in tracker.MODES:
         raise ValueError(f"compile_rng.backend: mode must be one of {tracker.MODES}, got {mode!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
-    return Backend(BackendConfig(mode, inner))
+    return Backend(BackendConfig(mode, inner, verify=verify))
 
 
 #: The backend registered as ``torch.compile(..., backend="compile_rng")``.

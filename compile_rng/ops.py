@@ -53,6 +53,37 @@ def _words(key, offset, size, strides, op, **kw):
     return philox_words(seed, base, list(size), list(strides), **kw)
 
 
+# Eager kernels work on blocks of about this many elements: transient memory stays
+# small next to the output (a 1B-parameter init must not need several times its size).
+CHUNK = 1 << 20
+
+
+def _by_rows(offset: int, size: Sequence[int], strides: Sequence[int], compute, *tensors: torch.Tensor):
+    """``compute(offset, size, *tensors)`` over blocks of dim-0 rows, assembled.
+
+    Block ``[r0, r1)`` has counters shifted by ``r0 * strides[0]`` and the rows of
+    ``tensors`` it covers, so the result equals one call on the whole output.
+    """
+    size = list(size)
+    numel = 1
+    for s in size:
+        numel *= s
+    if numel <= CHUNK or not size:
+        return compute(offset, size, *tensors)
+    rows, inner = size[0], numel // size[0]
+    block = max(1, CHUNK // max(inner, 1))
+    out = None
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        part = compute(offset + r0 * strides[0], [r1 - r0, *size[1:]], *(t[r0:r1] for t in tensors))
+        parts = part if isinstance(part, tuple) else (part,)
+        if out is None:
+            out = tuple(torch.empty([rows, *size[1:]], dtype=t.dtype, device=t.device) for t in parts)
+        for o, t in zip(out, parts):
+            o[r0:r1] = t
+    return out if isinstance(part, tuple) else out[0]
+
+
 def _check_float(op: str, dtype: torch.dtype) -> None:
     if dtype not in stream.FLOAT_DTYPES:
         raise TypeError(
@@ -75,8 +106,11 @@ def uniform(
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
     _check_float("uniform", dtype)
-    w, _ = _words(key, offset, size, strides, "uniform")
-    return stream.uniform(_M, w, dtype, low, high)
+
+    def compute(off, sz):
+        return stream.uniform(_M, _words(key, off, sz, strides, "uniform")[0], dtype, low, high)
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @uniform.register_fake
@@ -94,8 +128,12 @@ def normal(
 ) -> torch.Tensor:
     """Normal values (Box-Muller, canonical lanes)."""
     _check_float("normal", dtype)
-    w, lanes = _words(key, offset, size, strides, "normal", pair=True, lanes=True)
-    return stream.normal(_M, w[..., 0], w[..., 1], lanes, dtype, mean, std)
+
+    def compute(off, sz):
+        w, lanes = _words(key, off, sz, strides, "normal", pair=True, lanes=True)
+        return stream.normal(_M, w[..., 0], w[..., 1], lanes, dtype, mean, std)
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @normal.register_fake
@@ -113,8 +151,11 @@ def exponential(
 ) -> torch.Tensor:
     """Exponential values with rate ``lambd``."""
     _check_float("exponential", dtype)
-    w, _ = _words(key, offset, size, strides, "exponential")
-    return stream.exponential(_M, w, dtype, lambd)
+
+    def compute(off, sz):
+        return stream.exponential(_M, _words(key, off, sz, strides, "exponential")[0], dtype, lambd)
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @exponential.register_fake
@@ -131,8 +172,10 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
-    w, _ = _words(key, offset, size, strides, "bernoulli")
-    return stream.bernoulli_scalar(_M, w, dtype, p)
+    def compute(off, sz):
+        return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @bernoulli.register_fake
@@ -145,8 +188,10 @@ def bernoulli_tensor(
     key: torch.Tensor, offset: int, p: torch.Tensor, strides: Sequence[int], dtype: torch.dtype,
 ) -> torch.Tensor:
     """Elementwise bernoulli with probabilities ``p`` (output shaped like ``p``)."""
-    w, _ = _words(key, offset, p.shape, strides, "bernoulli_tensor")
-    return stream.bernoulli_tensor(_M, w, p, dtype)
+    def compute(off, sz, p_rows):
+        return stream.bernoulli_tensor(_M, _words(key, off, sz, strides, "bernoulli_tensor")[0], p_rows, dtype)
+
+    return _by_rows(offset, p.shape, strides, compute, p)
 
 
 @bernoulli_tensor.register_fake
@@ -163,9 +208,12 @@ def dropout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x * keep / (1 - p), keep)`` like ``aten.native_dropout`` in training mode."""
     _check_float("dropout", x.dtype)
-    w, _ = _words(key, offset, x.shape, strides, "dropout")
-    keep = stream.dropout_keep(_M, w, p)
-    return stream.dropout_apply(_M, x, keep, x.dtype, p), keep
+
+    def compute(off, sz, x_rows):
+        keep = stream.dropout_keep(_M, _words(key, off, sz, strides, "dropout")[0], p)
+        return stream.dropout_apply(_M, x_rows, keep, x.dtype, p), keep
+
+    return _by_rows(offset, x.shape, strides, compute, x)
 
 
 @dropout.register_fake
@@ -184,11 +232,12 @@ def randint(
     """Integers in ``[low, high)``; ``high - low`` at most 2**63."""
     if not 0 < high - low <= 2**63:
         raise ValueError(f"compile_rng.randint: need 0 < high - low <= 2**63, got [{low}, {high})")
-    w, _ = _words(key, offset, size, strides, "randint")
-    w_high = None
-    if stream.needs_high_word(low, high):
-        w_high, _ = _words(key, offset, size, strides, "randint", c2=1)
-    return stream.randint(_M, w, w_high, dtype, low, high)
+    def compute(off, sz):
+        w, _ = _words(key, off, sz, strides, "randint")
+        w_high = _words(key, off, sz, strides, "randint", c2=1)[0] if stream.needs_high_word(low, high) else None
+        return stream.randint(_M, w, w_high, dtype, low, high)
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @randint.register_fake
@@ -201,9 +250,11 @@ def random_bits(
     key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
 ) -> torch.Tensor:
     """Raw 64-bit values as int64 (two's complement)."""
-    w, _ = _words(key, offset, size, strides, "random_bits")
-    w_high, _ = _words(key, offset, size, strides, "random_bits", c2=1)
-    return stream.random_bits(_M, w, w_high)
+    def compute(off, sz):
+        w, _ = _words(key, off, sz, strides, "random_bits")
+        return stream.random_bits(_M, w, _words(key, off, sz, strides, "random_bits", c2=1)[0])
+
+    return _by_rows(offset, size, strides, compute)
 
 
 @random_bits.register_fake

@@ -185,3 +185,25 @@ def test_streams_of_distinct_ops_are_disjoint_blocks():
     second = ops.uniform(key, 8, [3], [1], 0.0, 1.0, torch.float64)
     assert math.isclose(float(second[0]), ref.uniform01(4, 8, "float64"))
     assert not set(first.tolist()) & set(second.tolist())
+
+
+def test_chunked_eager_kernels_equal_one_block(monkeypatch):
+    # Row blocks must reproduce the single-block result exactly (counters and tensor args).
+    key = ops.make_key(3, 2**64 - 40)
+    x = torch.randn(37, 11)
+    p = torch.rand(37, 11)
+    cases = lambda: [  # noqa: E731
+        ops.uniform(key, 5, [37, 11], [20, 1], -1.0, 2.0, torch.float32),
+        ops.normal(key, 5, [37, 11], [11, 1], 0.0, 1.0, torch.float64),
+        ops.dropout(key, 1, x, [11, 1], 0.3)[0],
+        ops.dropout(key, 1, x, [11, 1], 0.3)[1],
+        ops.bernoulli_tensor(key, 2, p, [11, 1], torch.float32),
+        ops.randint(key, 0, [37, 11], [11, 1], 0, 2**40, torch.int64),
+    ]
+    whole = cases()
+    monkeypatch.setattr(ops, "CHUNK", 50)  # several rows per block, uneven last block
+    for a, b in zip(whole, cases()):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(ops, "CHUNK", 5)  # one row per block
+    for a, b in zip(whole, cases()):
+        assert torch.equal(a, b)
