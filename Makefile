@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all bench load clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,9 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/bench_random.py
+
+load: setup
+	$(PY) benchmarks/load_init.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
