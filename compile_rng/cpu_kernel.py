@@ -20,7 +20,18 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "philox.c"
-_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-std=c11"]
+# -march=native: the fast paths vectorize Philox across blocks. No float contraction,
+# so the float transforms round exactly like torch's and Inductor's separate mul/add.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+
+
+def _cpu_fingerprint() -> bytes:
+    # -march=native code must not be reused on a machine with other instruction sets.
+    try:
+        flags = [line for line in open("/proc/cpuinfo") if line.startswith("flags")]
+        return (flags[0] if flags else "").encode()
+    except OSError:
+        return b""
 
 
 def _compiler() -> str:
@@ -37,7 +48,7 @@ def _compiler() -> str:
 def _library() -> ctypes.CDLL:
     source = _SOURCE.read_bytes()
     cc = _compiler()
-    digest = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_fingerprint()).hexdigest()[:16]
     cache = Path(os.environ.get("COMPILE_RNG_CACHE", Path.home() / ".cache" / "compile_rng"))
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"philox-{digest}.so"
@@ -59,7 +70,55 @@ def _library() -> ctypes.CDLL:
         ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
         ctypes.c_uint32, ctypes.c_int, ctypes.c_int,
     ]
+    fast = lib.cr_fast_f32
+    fast.restype = ctypes.c_int
+    fast.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
+        ctypes.c_uint64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, ctypes.c_float,
+        ctypes.c_int,
+    ]
     return lib
+
+
+FAST_UNIFORM, FAST_BERNOULLI, FAST_DROPOUT = 0, 1, 2
+
+
+def fast_uniform_ok(high: float) -> bool:
+    """The fast kernel compares with ``high`` in float32, exact only if it is a float32."""
+    return float(torch.tensor(high, dtype=torch.float32)) == high
+
+
+def fast_f32(
+    op: int,
+    numel: int,
+    seed: int,
+    base: int,
+    *,
+    low: float = 0.0,
+    high: float = 1.0,
+    threshold: int = 0,
+    scale: float = 0.0,
+    x: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 values of a contiguous stream (counter ``base + i``), computed directly.
+
+    ``op``: :data:`FAST_UNIFORM` (``[low, high)``), :data:`FAST_BERNOULLI` (``W <
+    threshold``), :data:`FAST_DROPOUT` (of the contiguous float32 ``x``; also returns the
+    keep mask). Bitwise equal to the generic path; returns a flat tensor. Uniform needs
+    ``high`` exactly representable in float32 (see :func:`fast_uniform_ok`).
+    """
+    out = torch.empty(numel, dtype=torch.float32)
+    mask = torch.empty(numel, dtype=torch.bool) if op == FAST_DROPOUT else None
+    if numel:
+        rc = _library().cr_fast_f32(
+            op, out.data_ptr(), mask.data_ptr() if mask is not None else None,
+            x.data_ptr() if x is not None else None, numel, seed % 2**64, base % 2**64,
+            low, float(torch.tensor(high - low, dtype=torch.float32)), high, threshold, scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"compile_rng CPU kernel failed (code {rc})")
+    return out, mask
 
 
 def philox_words(

@@ -20,11 +20,12 @@ kernel here, a fake kernel for tracing, and an Inductor lowering in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from . import stream
-from .cpu_kernel import philox_words
+from .cpu_kernel import FAST_BERNOULLI, FAST_DROPOUT, FAST_UNIFORM, fast_f32, fast_uniform_ok, philox_words
 from .state import UINT64
 
 _M = stream.TensorMath()
@@ -84,6 +85,25 @@ def _by_rows(offset: int, size: Sequence[int], strides: Sequence[int], compute, 
     return out if isinstance(part, tuple) else out[0]
 
 
+def _contiguous_stream(size: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether element ``i`` (row-major) has counter ``base + i``: the fast-path layout."""
+    expected = 1
+    for s, st in zip(reversed(list(size)), reversed(list(strides))):
+        if s != 1 and st != expected:
+            return False
+        expected *= s
+    return True
+
+
+def _fast(op: int, key: torch.Tensor, offset: int, size: Sequence[int], **kw) -> tuple[torch.Tensor, Any]:
+    seed, base = _key_values(key, offset)
+    numel = 1
+    for s in size:
+        numel *= s
+    out, mask = fast_f32(op, numel, seed, base, **kw)
+    return out.view(list(size)), (mask.view(list(size)) if mask is not None else None)
+
+
 def _check_float(op: str, dtype: torch.dtype) -> None:
     if dtype not in stream.FLOAT_DTYPES:
         raise TypeError(
@@ -106,6 +126,8 @@ def uniform(
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
     _check_float("uniform", dtype)
+    if dtype == torch.float32 and _contiguous_stream(size, strides) and fast_uniform_ok(high):
+        return _fast(FAST_UNIFORM, key, offset, size, low=low, high=high)[0]
 
     def compute(off, sz):
         return stream.uniform(_M, _words(key, off, sz, strides, "uniform")[0], dtype, low, high)
@@ -172,6 +194,9 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
+    if dtype == torch.float32 and _contiguous_stream(size, strides):
+        return _fast(FAST_BERNOULLI, key, offset, size, threshold=stream.threshold32(p))[0]
+
     def compute(off, sz):
         return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)
 
@@ -208,6 +233,11 @@ def dropout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x * keep / (1 - p), keep)`` like ``aten.native_dropout`` in training mode."""
     _check_float("dropout", x.dtype)
+    if x.dtype == torch.float32 and x.is_contiguous() and _contiguous_stream(x.shape, strides):
+        return _fast(
+            FAST_DROPOUT, key, offset, x.shape, threshold=stream.threshold32(1.0 - p),
+            scale=stream.dropout_scale(p, torch.float32), x=x,
+        )
 
     def compute(off, sz, x_rows):
         keep = stream.dropout_keep(_M, _words(key, off, sz, strides, "dropout")[0], p)

@@ -89,3 +89,32 @@ def test_one_compile_serves_every_key(compiled):
     for seed in range(3):
         compiled(ops.make_key(seed, seed * 1000), X, XB, P)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_large_streams_take_the_c_kernel_with_the_same_bits():
+    from compile_rng import stream
+    from compile_rng.cpu_kernel import philox_words
+    from compile_rng.lowering import EXTERN_MIN_NUMEL
+
+    n = EXTERN_MIN_NUMEL + 13
+    seed, base = 0xDEADBEEF12345678, 2**64 - 7  # crosses the counter wrap
+    key = ops.make_key(seed, base)
+    x = torch.randn(n)
+
+    def big(key, x):
+        return (ops.uniform(key, 0, [n], [1], -1.0, 3.0, torch.float32),
+                ops.bernoulli(key, 1, [n], [1], 0.3, torch.float32),
+                *ops.dropout(key, 2, x, [1], 0.2))
+
+    torch._dynamo.reset()
+    got = torch.compile(big, backend="inductor", fullgraph=True)(key, x)
+    m = stream.TensorMath()
+    words = lambda off: philox_words(seed, base + off, [n], [1])[0]  # noqa: E731  (the generic path)
+    want = (
+        stream.uniform(m, words(0), torch.float32, -1.0, 3.0),
+        stream.bernoulli_scalar(m, words(1), torch.float32, 0.3),
+        stream.dropout_apply(m, x, stream.dropout_keep(m, words(2), 0.2), torch.float32, 0.2),
+        stream.dropout_keep(m, words(2), 0.2),
+    )
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
