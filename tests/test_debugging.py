@@ -1,17 +1,14 @@
 """depyf dumps, the annotated before/after graphs, explain(), and the command line."""
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import spawn
 from dtensor_reference import fake_rank, local_zeros, tracker_start
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -86,26 +83,18 @@ def test_explain_lists_unsupported_ops_with_a_reason():
     assert len(report.ops) == 1
 
 
-def _dump_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.tensor import distribute_tensor, init_device_mesh
+def _dump_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
-        compile_rng.manual_seed(SEED)
-        with compile_rng.dump(out):
-            torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager"))(x)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+    compile_rng.manual_seed(SEED)
+    with compile_rng.dump(out):
+        torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager"))(x)
 
 
 def test_dump_on_real_ranks_writes_one_folder_per_rank(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dump_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_dump_worker, 2, str(tmp_path))
     for rank in (0, 1):
         after = list((tmp_path / f"rank{rank}").glob("*.compile_rng_after.py"))
         assert len(after) == 1 and "compile_rng.dropout" in after[0].read_text()

@@ -5,16 +5,11 @@ tracker counters, eager against compiled, and the state advance; then the ranks
 gather their shards: replicas must be bitwise equal and shards pairwise different.
 """
 
-import os
-import socket
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import spawn
 
 SEED = 99
 
@@ -27,60 +22,48 @@ def program(x, y):
     return a, x * 1, b, c
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, inner: str, mesh_shape: tuple) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
+def _worker(rank: int, world: int, inner: str, mesh_shape: tuple) -> None:
     from dtensor_reference import counters, keep, normal, uniform
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     import compile_rng
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", mesh_shape)
-        shard_all = [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1)
-        gx, gy = (12, 5), (3, 7)
-        n_x = 12 * 5
-        adv = (n_x + 3) // 4 * 4
-        compiled = torch.compile(program, backend=compile_rng.backend(inner=inner))
-        outs = []
-        for fn in (program, compiled):
-            compile_rng.manual_seed(SEED)
-            x = distribute_tensor(torch.zeros(gx), mesh, shard_all)
-            y = distribute_tensor(torch.zeros(gy), mesh, [Replicate()] * len(mesh_shape))
-            outs.append([o.to_local() for o in fn(x, y)])
-            assert compile_rng.get_state() == (SEED, 3 * adv + 24), compile_rng.get_state()
-        eager, comp = outs
-        for e, c in zip(eager[:3], comp[:3]):
-            assert torch.equal(e, c)
-        assert (eager[3].double() - comp[3].double()).abs().max() < 1e-5
-        ref_x = distribute_tensor(torch.zeros(gx), mesh, shard_all)
-        shape = comp[0].shape
-        assert torch.equal(comp[0], uniform(SEED, counters(ref_x, 0), shape))
-        assert torch.equal(comp[1], uniform(SEED, counters(ref_x, adv), shape, -1.0, 2.0))
-        assert torch.equal(comp[2], keep(SEED, counters(ref_x, 2 * adv), shape, 0.5).float() * 2)
-        ref_y = distribute_tensor(torch.zeros(gy), mesh, [Replicate()] * len(mesh_shape))
-        assert (comp[3].double() - normal(SEED, counters(ref_y, 3 * adv), gy)).abs().max() < 2e-4
+    mesh = init_device_mesh("cpu", mesh_shape)
+    shard_all = [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1)
+    gx, gy = (12, 5), (3, 7)
+    n_x = 12 * 5
+    adv = (n_x + 3) // 4 * 4
+    compiled = torch.compile(program, backend=compile_rng.backend(inner=inner))
+    outs = []
+    for fn in (program, compiled):
+        compile_rng.manual_seed(SEED)
+        x = distribute_tensor(torch.zeros(gx), mesh, shard_all)
+        y = distribute_tensor(torch.zeros(gy), mesh, [Replicate()] * len(mesh_shape))
+        outs.append([o.to_local() for o in fn(x, y)])
+        assert compile_rng.get_state() == (SEED, 3 * adv + 24), compile_rng.get_state()
+    eager, comp = outs
+    for e, c in zip(eager[:3], comp[:3]):
+        assert torch.equal(e, c)
+    assert (eager[3].double() - comp[3].double()).abs().max() < 1e-5
+    ref_x = distribute_tensor(torch.zeros(gx), mesh, shard_all)
+    shape = comp[0].shape
+    assert torch.equal(comp[0], uniform(SEED, counters(ref_x, 0), shape))
+    assert torch.equal(comp[1], uniform(SEED, counters(ref_x, adv), shape, -1.0, 2.0))
+    assert torch.equal(comp[2], keep(SEED, counters(ref_x, 2 * adv), shape, 0.5).float() * 2)
+    ref_y = distribute_tensor(torch.zeros(gy), mesh, [Replicate()] * len(mesh_shape))
+    assert (comp[3].double() - normal(SEED, counters(ref_y, 3 * adv), gy)).abs().max() < 2e-4
 
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (comp[0], comp[3]))
-        replicas = [g[1] for g in gathered]
-        assert all(torch.equal(r, replicas[0]) for r in replicas), "replicated tensor differs across ranks"
-        # init_device_mesh lays ranks out row-major: rank r holds shard r // (world / mesh_shape[0])
-        shard_of = [r // (world // mesh_shape[0]) for r in range(world)]
-        for i in range(world):
-            for j in range(world):
-                same_shard = shard_of[i] == shard_of[j]
-                equal = torch.equal(gathered[i][0], gathered[j][0])
-                assert equal == same_shard, (i, j, "shards must differ; replicas of a shard must agree")
-    finally:
-        dist.destroy_process_group()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (comp[0], comp[3]))
+    replicas = [g[1] for g in gathered]
+    assert all(torch.equal(r, replicas[0]) for r in replicas), "replicated tensor differs across ranks"
+    # init_device_mesh lays ranks out row-major: rank r holds shard r // (world / mesh_shape[0])
+    shard_of = [r // (world // mesh_shape[0]) for r in range(world)]
+    for i in range(world):
+        for j in range(world):
+            same_shard = shard_of[i] == shard_of[j]
+            equal = torch.equal(gathered[i][0], gathered[j][0])
+            assert equal == same_shard, (i, j, "shards must differ; replicas of a shard must agree")
 
 
 @pytest.mark.parametrize(
@@ -89,4 +72,4 @@ def _worker(rank: int, world: int, port: int, inner: str, mesh_shape: tuple) -> 
     ids=["2-ranks-inductor", "4-ranks-1d", "4-ranks-2d"],
 )
 def test_real_ranks(world, inner, mesh_shape):
-    mp.spawn(_worker, args=(world, _port(), inner, mesh_shape), nprocs=world, join=True)
+    spawn(_worker, world, inner, mesh_shape)

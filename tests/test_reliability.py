@@ -1,54 +1,43 @@
 """Failures stay loud and the stream stays defined: rank divergence, exceptions inside
 compiled calls, recompilation, determinism across processes, bad inputs."""
 
-import hashlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import compile_rng
+from gloo_ranks import spawn
 
 # --- rank divergence: verify=True ---------------------------------------------------------
 
 
-def _verify_worker(rank: int, world: int, port: int, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+def _verify_worker(rank: int, world: int, scenario: str) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
-        compile_rng.manual_seed(7 + rank if scenario == "seeds" else 7)
-        if scenario == "extra-op" and rank == 1:
-            torch.rand_like(x)  # an eager DTensor random op only rank 1 runs (a collective-free op)
-        fn = torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager", verify=True))
-        try:
-            fn(x)
-        except Exception as e:  # noqa: BLE001 - the message is the test
-            message = str(e)
-        else:
-            message = ""
-        expected = {"seeds": "seed: ranks [0] have 7; ranks [1] have 8", "extra-op": "offset: ranks [0] have 0; ranks [1] have 32", "agree": ""}
-        assert expected[scenario] in message and bool(message) == bool(expected[scenario]), message
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+    compile_rng.manual_seed(7 + rank if scenario == "seeds" else 7)
+    if scenario == "extra-op" and rank == 1:
+        torch.rand_like(x)  # an eager DTensor random op only rank 1 runs (a collective-free op)
+    fn = torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager", verify=True))
+    try:
+        fn(x)
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        message = str(e)
+    else:
+        message = ""
+    expected = {"seeds": "seed: ranks [0] have 7; ranks [1] have 8", "extra-op": "offset: ranks [0] have 0; ranks [1] have 32", "agree": ""}
+    assert expected[scenario] in message and bool(message) == bool(expected[scenario]), message
 
 
 @pytest.mark.parametrize("scenario", ["agree", "seeds", "extra-op"])
 def test_verify_names_the_diverging_ranks_on_every_rank(scenario):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_verify_worker, args=(2, port, scenario), nprocs=2, join=True)
+    spawn(_verify_worker, 2, scenario)
 
 
 def test_verify_env_variable(monkeypatch):

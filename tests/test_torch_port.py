@@ -14,24 +14,14 @@ onto CPU meshes through compile_rng. Written from what they assert, not copied:
 * the compile tests: eager == aot_eager == inductor, three calls, same state after each.
 """
 
-import os
-import socket
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from gloo_ranks import spawn
 
 SEED = 42
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gather(t: torch.Tensor) -> list:
@@ -161,19 +151,13 @@ def _port_2d(rank: int) -> None:
     assert compile_rng.get_state() == (SEED, 128 + 16 + 128 + 8)
 
 
-def _worker(rank: int, world: int, port: int, which: str) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        {"1d": _port_1d, "2d": _port_2d}[which](rank)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, which: str) -> None:
+    {"1d": _port_1d, "2d": _port_2d}[which](rank)
 
 
 @pytest.mark.parametrize("which", ["1d", "2d"])
 def test_port_on_4_gloo_ranks(which):
-    mp.spawn(_worker, args=(4, _port(), which), nprocs=4, join=True)
+    spawn(_worker, 4, which)
 
 
 def test_port_compile_eager_aot_eager_inductor_three_calls():
