@@ -15,6 +15,7 @@
 #endif
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #define MAX_DIMS 16
 
@@ -125,47 +126,69 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
  * (compile_rng/stream.py) with separate multiply and add (built with -ffp-contract=off),
  * so results are bitwise equal to the generic path and to the Inductor lowering.
  */
-#define VB 16
+#define VB 32
 
-/* Eight blocks per vector: words held in 64-bit lanes (values < 2**32), so the
- * 32x32->64 multiply is one vector multiply and hi/lo are a shift and a mask. */
+/* Eight blocks per vector, NV vectors per call: words held in 64-bit lanes (values
+ * < 2**32), so the 32x32->64 multiply is one vector multiply and hi/lo are a shift and a
+ * mask. The NV vectors are independent dependency chains interleaved in every round,
+ * which is what keeps the multiplier busy (one chain is latency-bound). */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
+#define NV (VB / 8)
 
-static void philox_blocks(uint64_t first, uint32_t k0, uint32_t k1, uint32_t w[4][VB]) {
-    const uint64_t mask32 = 0xFFFFFFFFull;
-    for (int half = 0; half < VB; half += 8) {
-        u64x8 c0, c1, c2 = {0}, c3 = {0};
-        for (int j = 0; j < 8; j++) {
-            uint64_t b = (first + (uint64_t)(half + j)) & ((1ULL << 62) - 1);  /* counters wrap mod 2**64 */
-            c0[j] = b & mask32;
-            c1[j] = b >> 32;
-        }
-        uint64_t kk0 = k0, kk1 = k1;
-        for (int r = 0; r < 10; r++) {
+static inline u64x8 mul32(u64x8 a, uint64_t m) {
 #ifdef __AVX512F__
-            /* vpmuludq: the 32x32->64 multiply of the low halves, one uop (vs vpmullq's three) */
-            u64x8 p0 = (u64x8)_mm512_mul_epu32((__m512i)c0, _mm512_set1_epi64(0xD2511F53ll));
-            u64x8 p1 = (u64x8)_mm512_mul_epu32((__m512i)c2, _mm512_set1_epi64(0xCD9E8D57ll));
+    return (u64x8)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64((long long)m));  /* vpmuludq */
 #else
-            u64x8 p0 = c0 * 0xD2511F53ull;
-            u64x8 p1 = c2 * 0xCD9E8D57ull;
+    return a * m;
 #endif
-            u64x8 n0 = (p1 >> 32) ^ c1 ^ kk0;
-            u64x8 n2 = (p0 >> 32) ^ c3 ^ kk1;
-            c0 = n0;
-            c1 = p1 & mask32;
-            c2 = n2;
-            c3 = p0 & mask32;
-            kk0 = (kk0 + 0x9E3779B9u) & mask32;
-            kk1 = (kk1 + 0xBB67AE85u) & mask32;
-        }
-        for (int j = 0; j < 8; j++) {
-            w[0][half + j] = (uint32_t)c0[j];
-            w[1][half + j] = (uint32_t)c1[j];
-            w[2][half + j] = (uint32_t)c2[j];
-            w[3][half + j] = (uint32_t)c3[j];
-        }
+}
+
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+
+/* Words of 8 blocks (one vector per word index) -> the 32 values in element order
+ * (block-major, lane-minor), with two rounds of interleaving shuffles. */
+static inline void interleave(u64x8 w0, u64x8 w1, u64x8 w2, u64x8 w3, uint32_t *dst) {
+    u32x8 a = __builtin_convertvector(w0, u32x8), b = __builtin_convertvector(w1, u32x8);
+    u32x8 c = __builtin_convertvector(w2, u32x8), d = __builtin_convertvector(w3, u32x8);
+    const u32x8 lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
+    u64x4 ab0 = (u64x4)__builtin_shuffle(a, b, lo), ab1 = (u64x4)__builtin_shuffle(a, b, hi);
+    u64x4 cd0 = (u64x4)__builtin_shuffle(c, d, lo), cd1 = (u64x4)__builtin_shuffle(c, d, hi);
+    const u64x4 lo64 = {0, 4, 1, 5}, hi64 = {2, 6, 3, 7};
+    u64x4 out[4] = {
+        __builtin_shuffle(ab0, cd0, lo64), __builtin_shuffle(ab0, cd0, hi64),
+        __builtin_shuffle(ab1, cd1, lo64), __builtin_shuffle(ab1, cd1, hi64),
+    };
+    __builtin_memcpy(dst, out, sizeof(out));
+}
+
+static void philox_blocks(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *lin) {
+    const uint64_t mask32 = 0xFFFFFFFFull;
+    const u64x8 iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    u64x8 c0[NV], c1[NV], c2[NV], c3[NV];
+    for (int v = 0; v < NV; v++) {
+        u64x8 b = (first + (uint64_t)(8 * v) + iota) & ((1ULL << 62) - 1);  /* counters wrap mod 2**64 */
+        c0[v] = b & mask32;
+        c1[v] = b >> 32;
+        c2[v] = (u64x8){0};
+        c3[v] = (u64x8){0};
     }
+    uint64_t kk0 = k0, kk1 = k1;
+    for (int r = 0; r < 10; r++) {
+        for (int v = 0; v < NV; v++) {
+            u64x8 p0 = mul32(c0[v], 0xD2511F53ull);
+            u64x8 p1 = mul32(c2[v], 0xCD9E8D57ull);
+            u64x8 n0 = (p1 >> 32) ^ c1[v] ^ kk0;
+            u64x8 n2 = (p0 >> 32) ^ c3[v] ^ kk1;
+            c0[v] = n0;
+            c1[v] = p1 & mask32;
+            c2[v] = n2;
+            c3[v] = p0 & mask32;
+        }
+        kk0 = (kk0 + 0x9E3779B9u) & mask32;
+        kk1 = (kk1 + 0xBB67AE85u) & mask32;
+    }
+    for (int v = 0; v < NV; v++) interleave(c0[v], c1[v], c2[v], c3[v], lin + 32 * v);
 }
 
 enum { OP_UNIFORM = 0, OP_BERNOULLI = 1, OP_DROPOUT = 2 };
@@ -207,7 +230,7 @@ static inline void emit(const fjob_t *j, int64_t i, uint32_t w) {
 static inline __attribute__((always_inline)) void run_range(fjob_t *j, const int op) {
     uint32_t k0 = (uint32_t)j->seed, k1 = (uint32_t)(j->seed >> 32);
     int64_t i = j->begin;
-    uint32_t w[4][VB], lin[4 * VB];
+    uint32_t lin[4 * VB];
     fjob_t job = *j;
     job.op = op;
     /* head: up to the next block boundary; body: VB blocks at a time; tail: the rest */
@@ -216,9 +239,7 @@ static inline __attribute__((always_inline)) void run_range(fjob_t *j, const int
         uint64_t block = n >> 2;
         unsigned lane = (unsigned)(n & 3);
         if (lane == 0 && j->end - i >= 4 * VB) {
-            philox_blocks(block, k0, k1, w);
-            for (int b = 0; b < VB; b++)
-                for (int l = 0; l < 4; l++) lin[4 * b + l] = w[l][b];
+            philox_blocks(block, k0, k1, lin);
             for (int k = 0; k < 4 * VB; k++) emit(&job, i + k, lin[k]);
             i += 4 * VB;
             continue;
@@ -239,10 +260,25 @@ static void *run_fjob(void *arg) {
     return NULL;
 }
 
+/* Fresh output buffers are not yet backed by memory; faulting them in 4 KiB pages costs
+ * several times the generation itself. Ask for transparent huge pages on the aligned
+ * interior before the first write (advisory: a no-op where THP is unavailable). */
+static void prefer_huge_pages(void *p, size_t bytes) {
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end <= begin) return;
+    madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+    /* Fault the huge pages in from this one thread: worker threads faulting concurrently
+     * contend on the address-space lock (measured: erratic 0.4-5 ns/element with 2). */
+    for (uintptr_t a = begin; a < end; a += huge) *(volatile char *)a = 0;
+}
+
 /* Contiguous float32 outputs. op: 0 uniform, 1 bernoulli(threshold), 2 dropout. */
 int cr_fast_f32(int op, float *out, uint8_t *mask, const float *x, int64_t numel, uint64_t seed, uint64_t base,
                 float low, float range, float high, uint64_t threshold, float scale, int nthreads) {
     const int64_t min_per_thread = 1 << 16;
+    prefer_huge_pages(out, (size_t)numel * sizeof(float));
+    if (mask) prefer_huge_pages(mask, (size_t)numel);
     if (nthreads < 1) nthreads = 1;
     if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
     if (nthreads < 1) nthreads = 1;
