@@ -28,6 +28,7 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/bench_random.py
+	$(PY) benchmarks/bench_init.py
 
 load: setup
 	$(PY) benchmarks/load_init.py

@@ -100,8 +100,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=16 * 2**20)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", default="bench-random.json")
+    parser.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all cores)")
     args = parser.parse_args()
-    threads = sorted({1, os.cpu_count() or 1})
+    threads = args.threads or sorted({1, os.cpu_count() or 1})
     rows = run(args.size, args.repeat, threads)
     print_table(rows, args.size)
     with open(args.json, "w") as f:

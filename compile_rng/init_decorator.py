@@ -65,7 +65,10 @@ def init(
                 if use_graph:
                     try:
                         return compiled(*args, **kwargs)
-                    except torch._dynamo.exc.Unsupported as e:  # raised while tracing: nothing ran
+                    # Raised while tracing or compiling, before anything ran: Dynamo could not
+                    # capture one graph, or the C++ compiler failed on it (gcc 12 crashes on
+                    # the single kernel Inductor makes of a whole model's normal_ init).
+                    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
                         if compile is True:
                             raise RuntimeError(
                                 f"compile_rng.init(compile=True): {f.__qualname__} does not compile as one "

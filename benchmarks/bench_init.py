@@ -1,0 +1,90 @@
+"""Weight-init timing of the Llama-style example model: eager torch vs @compile_rng.init.
+
+One process, all threads: eager ``init_weights`` (torch's own generator) against the
+same function decorated with ``@compile_rng.init`` in tracker and invariant mode (warm:
+the decorated function's first call, which compiles or falls back, is timed separately),
+plus a variant without ``trunc_normal_`` (``normal_`` instead) that compiles as one
+graph. Prints seconds and ns/parameter with the ratio to eager; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import compile_rng  # noqa: E402
+from llama_init import Transformer, init_weights  # noqa: E402
+
+
+def init_normal(model: Transformer) -> None:
+    """The same init with normal_ in place of trunc_normal_: one compilable graph."""
+    nn.init.normal_(model.tok_embeddings.weight)
+    for layer in model.layers.values():
+        for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.attention.wo,
+                    layer.feed_forward.w1, layer.feed_forward.w2, layer.feed_forward.w3):
+            nn.init.normal_(lin.weight, std=0.02)
+    nn.init.normal_(model.output.weight, std=0.02)
+
+
+def timed(fn, model, repeat: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    fn(model)
+    first = time.perf_counter() - start
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(model)
+        samples.append(time.perf_counter() - start)
+    return first, statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", default="bench-init.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
+    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.hidden)
+    params = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(0)
+    cases = {
+        "eager torch (trunc_normal_)": lambda m: init_weights(m),
+        "compile_rng.init tracker": compile_rng.init(init_weights),
+        "compile_rng.init invariant": compile_rng.init(init_weights, mode="invariant"),
+        "eager torch (normal_)": lambda m: init_normal(m),
+        "compile_rng.init tracker (normal_)": compile_rng.init(init_normal),
+    }
+    rows = {}
+    with torch.no_grad():
+        for name, fn in cases.items():
+            first, warm = timed(fn, model, args.repeat)
+            compiled = getattr(fn, "compiled", lambda: None)()
+            rows[name] = {"first_s": first, "warm_s": warm, "ns_per_param": warm / params * 1e9, "one_graph": compiled}
+    print(f"\nLlama-style model, {params / 1e6:.0f}M parameters, {torch.get_num_threads()} threads")
+    print(f"{'case':<36} {'first call':>11} {'warm':>9} {'ns/param':>9} {'vs eager':>9}")
+    for name, r in rows.items():
+        base = rows["eager torch (normal_)" if name.endswith("(normal_)") else "eager torch (trunc_normal_)"]["warm_s"]
+        how = "" if r["one_graph"] is None else ("  (one graph)" if r["one_graph"] else "  (eager on the stream)")
+        print(f"{name:<36} {r['first_s']:>10.2f}s {r['warm_s']:>8.2f}s {r['ns_per_param']:>9.2f} "
+              f"{base / r['warm_s']:>8.2f}x{how}")
+    with open(args.json, "w") as f:
+        json.dump({"params": params, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
