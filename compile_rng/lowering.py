@@ -6,7 +6,9 @@ four words of each Philox block and vectorizes across blocks; measured here it i
 2x faster than the fused loop, which recomputes the whole block for every element in
 emulated 64-bit arithmetic. Small or strided ones stay fused with their neighbours.
 Both give the same bits (integer-derived values, same float ops), so the choice never
-changes a result.
+changes a result. ``normal`` has no lowering: its transcendental functions must come
+from one implementation (the C kernel, or torch's ops for float64) whatever the size or
+layout, so Inductor always calls the eager op.
 
 Each op becomes one fused ``Pointwise`` node whose ``inner_fn`` builds Philox4x32-10
 with ``ops.*`` once (building rounds from aten integer ops instead makes Inductor
@@ -148,20 +150,6 @@ def _uniform(key, offset, size, strides, low, high, dtype):
         return _extern(torch.ops.compile_rng.uniform.default, key, offset, size, strides, low, high, dtype)
     ctr = _Counter(key, offset, strides)
     return _pointwise(key, size, dtype, lambda idx: stream.uniform(_M, ctr.word(idx), dtype, low, high))
-
-
-@_register(torch.ops.compile_rng.normal.default)
-def _normal(key, offset, size, strides, mean, std, dtype):
-    ctr = _Counter(key, offset, strides)
-
-    def fn(idx):
-        words, lane = ctr.block(idx)
-        pair = _M.shr(lane, _M.const(1, _I64))
-        even = ctr.select([words[0], words[2]], pair)
-        odd = ctr.select([words[1], words[3]], pair)
-        return stream.normal(_M, even, odd, lane, dtype, mean, std)
-
-    return _pointwise(key, size, dtype, fn)
 
 
 @_register(torch.ops.compile_rng.exponential.default)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import stream
-from .cpu_kernel import FAST_BERNOULLI, FAST_DROPOUT, FAST_UNIFORM, fast_f32, fast_uniform_ok, philox_words
+from .cpu_kernel import FAST_BERNOULLI, FAST_DROPOUT, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32, philox_words
 from .state import UINT64
 
 _M = stream.TensorMath()
@@ -150,6 +150,10 @@ def normal(
 ) -> torch.Tensor:
     """Normal values (Box-Muller, canonical lanes)."""
     _check_float("normal", dtype)
+    _check_layout("normal", size, strides)
+    if dtype != torch.float64:  # computed in float32: the C kernel, for every layout
+        seed, base = _key_values(key, offset)
+        return normal_f32(seed, base, list(size), list(strides), mean, std).to(dtype)
 
     def compute(off, sz):
         w, lanes = _words(key, off, sz, strides, "normal", pair=True, lanes=True)

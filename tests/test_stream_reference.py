@@ -207,3 +207,16 @@ def test_chunked_eager_kernels_equal_one_block(monkeypatch):
     monkeypatch.setattr(ops, "CHUNK", 5)  # one row per block
     for a, b in zip(whole, cases()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("base", [0, 2, 2**64 - 400])
+def test_normal_batches_and_tails_match_reference(base):
+    # 1000 elements: whole 128-element batches of blocks, then a tail, across the counter wrap
+    seed = 77
+    out = ops.normal(ops.make_key(seed, base), 0, [8, 125], [125, 1], 0.0, 1.0, torch.float32)
+    expected = torch.tensor([ref.normal_std(seed, (base + i) % 2**64) for i in range(1000)], dtype=torch.float64)
+    assert (out.double().flatten() - expected).abs().max() < 2e-4
+    strided = ops.normal(ops.make_key(seed, base), 0, [8, 125], [250, 2], 0.0, 1.0, torch.float32)
+    expected = torch.tensor([ref.normal_std(seed, (base + 250 * r + 2 * c) % 2**64) for r in range(8) for c in range(125)],
+                            dtype=torch.float64)
+    assert (strided.double().flatten() - expected).abs().max() < 2e-4

@@ -301,3 +301,156 @@ int cr_fast_f32(int op, float *out, uint8_t *mask, const float *x, int64_t numel
     for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     return rc;
 }
+
+/* ---- normal: float32, any counter layout ---------------------------------------------
+ *
+ * The one implementation of float32 normals (eager and compiled both call it), so a
+ * value never depends on tensor size, layout or compiler. log and sin/cos are the
+ * Cephes single-precision algorithms written branch-free in plain C: the batch loop
+ * vectorizes, and scalar and vector execution give the same bits (no -ffast-math, no
+ * contraction).
+ */
+#define NB (4 * VB)
+
+static inline float cr_logf(float x) {  /* x in (0, 1] */
+    uint32_t ix;
+    __builtin_memcpy(&ix, &x, 4);
+    int e = (int)((ix >> 23) & 0xff) - 126;
+    uint32_t mi = (ix & 0x7fffffu) | 0x3f000000u;  /* mantissa in [0.5, 1) */
+    float m;
+    __builtin_memcpy(&m, &mi, 4);
+    int small = m < 0.707106781186547524f;
+    e -= small;
+    m = small ? m + m - 1.0f : m - 1.0f;
+    float z = m * m;
+    float y = 7.0376836292E-2f;
+    y = y * m - 1.1514610310E-1f;
+    y = y * m + 1.1676998740E-1f;
+    y = y * m - 1.2420140846E-1f;
+    y = y * m + 1.4249322787E-1f;
+    y = y * m - 1.6668057665E-1f;
+    y = y * m + 2.0000714765E-1f;
+    y = y * m - 2.4999993993E-1f;
+    y = y * m + 3.3333331174E-1f;
+    y = y * m * z;
+    float fe = (float)e;
+    y = y + -2.12194440e-4f * fe;
+    y = y + -0.5f * z;
+    float r = m + y;
+    return r + 0.693359375f * fe;
+}
+
+/* (cos a, sin a) for a in [0, 2*pi]: quadrant reduction by pi/2 in three parts. */
+static inline void cr_sincosf(float a, float *c_out, float *s_out) {
+    int q = (int)(a * 0.63661977236758134f + 0.5f);
+    float fq = (float)q;
+    float r = ((a - fq * 1.5703125f) - fq * 4.837512969970703125e-4f) - fq * 7.54978995489188216e-8f;
+    float z = r * r;
+    float s = r + r * z * ((-1.9515295891E-4f * z + 8.3321608736E-3f) * z - 1.6666654611E-1f);
+    float c = 1.0f - 0.5f * z + z * z * ((2.443315711809948E-5f * z - 1.388731625493765E-3f) * z + 4.166664568298827E-2f);
+    int k = q & 3;
+    float sin_v = k == 0 ? s : k == 1 ? c : k == 2 ? -s : -c;
+    float cos_v = k == 0 ? c : k == 1 ? -s : k == 2 ? -c : s;
+    *c_out = cos_v;
+    *s_out = sin_v;
+}
+
+typedef struct {
+    float *out;
+    int64_t begin, end;
+    uint64_t seed, base;
+    int ndim;
+    int64_t size[MAX_DIMS], strides[MAX_DIMS];
+    float mean, std;
+} njob_t;
+
+static void *run_njob(void *arg) {
+    njob_t *j = (njob_t *)arg;
+    int64_t idx[MAX_DIMS];
+    int64_t rem = j->begin;
+    uint64_t n = j->base;
+    for (int d = j->ndim - 1; d >= 0; d--) {
+        idx[d] = j->size[d] ? rem % j->size[d] : 0;
+        rem = j->size[d] ? rem / j->size[d] : 0;
+        n += (uint64_t)idx[d] * (uint64_t)j->strides[d];
+    }
+    int contiguous = 1;  /* counter = base + i: whole batches of blocks at once */
+    for (int d = j->ndim - 1, expected = 1; d >= 0; d--) {
+        if (j->size[d] != 1 && j->strides[d] != expected) contiguous = 0;
+        expected *= (int)j->size[d];
+    }
+    uint64_t cached = ~(uint64_t)0;
+    uint32_t w[4];
+    uint32_t we[NB], wo[NB], lin[NB];
+    int odd[NB];
+    for (int64_t i0 = j->begin; i0 < j->end; i0 += NB) {
+        int cnt = (int)(j->end - i0 < NB ? j->end - i0 : NB);
+        if (contiguous && cnt == NB && (n & 3) == 0) {
+            philox_blocks(n >> 2, (uint32_t)j->seed, (uint32_t)(j->seed >> 32), lin);
+            for (int k = 0; k < NB; k++) {
+                we[k] = lin[k & ~1];
+                wo[k] = lin[k | 1];
+                odd[k] = k & 1;
+            }
+            n += NB;
+        } else for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
+            uint64_t block = n >> 2;
+            unsigned lane = (unsigned)(n & 3);
+            if (block != cached) {
+                w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
+                philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
+                cached = block;
+            }
+            unsigned p = lane >> 1;
+            we[k] = w[2 * p];
+            wo[k] = w[2 * p + 1];
+            odd[k] = (int)(lane & 1);
+            if (contiguous) {  /* the batch path does not keep idx */
+                n += 1;
+                continue;
+            }
+            for (int d = j->ndim - 1; d >= 0; d--) {
+                n += (uint64_t)j->strides[d];
+                if (++idx[d] < j->size[d]) break;
+                n -= (uint64_t)j->strides[d] * (uint64_t)idx[d];
+                idx[d] = 0;
+            }
+        }
+        for (int k = 0; k < cnt; k++) {  /* Box-Muller, vectorizable */
+            float u1 = (float)((uint64_t)we[k] + 1u) * 0x1p-32f;
+            float angle = ((float)wo[k] * 0x1p-32f) * 6.2831854820251465f;
+            float radius = __builtin_sqrtf(cr_logf(u1) * -2.0f);
+            float c, s;
+            cr_sincosf(angle, &c, &s);
+            float z = radius * (odd[k] ? s : c);
+            j->out[i0 + k] = z * j->std + j->mean;
+        }
+    }
+    return NULL;
+}
+
+int cr_normal_f32(float *out, int64_t numel, uint64_t seed, uint64_t base, int ndim, const int64_t *size,
+                  const int64_t *strides, float mean, float std, int nthreads) {
+    if (ndim > MAX_DIMS) return -1;
+    const int64_t min_per_thread = 1 << 15;
+    prefer_huge_pages(out, (size_t)numel * sizeof(float));
+    if (nthreads < 1) nthreads = 1;
+    if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    njob_t jobs[64];
+    pthread_t tids[64];
+    int started = 0, rc = 0;
+    for (int t = 0; t < nthreads; t++) {
+        njob_t *j = &jobs[t];
+        j->out = out; j->begin = numel * t / nthreads; j->end = numel * (t + 1) / nthreads;
+        j->seed = seed; j->base = base; j->ndim = ndim; j->mean = mean; j->std = std;
+        for (int d = 0; d < ndim; d++) { j->size[d] = size[d]; j->strides[d] = strides[d]; }
+        if (t == 0) continue;
+        if (pthread_create(&tids[t], NULL, run_njob, j) != 0) { rc = -2; break; }
+        started = t;
+    }
+    if (rc == 0) run_njob(&jobs[0]);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    return rc;
+}
