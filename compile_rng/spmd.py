@@ -182,20 +182,21 @@ def _static(v: Any) -> bool:
     return isinstance(v, int)
 
 
-def _max(a: Any, b: Any) -> Any:
+def _extremum(a: Any, b: Any, symint_fn: Any, sympy_fn: Any, int_fn: Any) -> Any:
+    """min/max for ints, SymInts (traced without guards) and sympy expressions."""
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return torch.sym_max(a, b)
+        return symint_fn(a, b)
     if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
-        return sympy.Max(a, b)
-    return max(a, b)
+        return sympy_fn(a, b)
+    return int_fn(a, b)
 
 
 def _min(a: Any, b: Any) -> Any:
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return torch.sym_min(a, b)
-    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
-        return sympy.Min(a, b)
-    return min(a, b)
+    return _extremum(a, b, torch.sym_min, sympy.Min, min)
+
+
+def _max(a: Any, b: Any) -> Any:
+    return _extremum(a, b, torch.sym_max, sympy.Max, max)
 
 
 def _first_chunk(p: Any, size: Any, n: int) -> Any:

@@ -1,20 +1,22 @@
-/* Eager CPU kernel for compile_rng: Philox4x32-10 words at per-element counters.
+/* CPU kernels for compile_rng: canonical stream v1 (compile_rng/stream.py).
  *
  * Element i of an output of shape `size` has the 64-bit counter
  *     n = base + sum_d idx_d(i) * strides[d]        (mod 2**64)
- * where idx(i) is the row-major multi-index of i. The kernel writes the stream
- * words the canonical transforms need (compile_rng/stream.py); the float math is
- * done by the caller so that eager and Inductor share one transform definition.
+ * where idx(i) is the row-major multi-index of i.
  *
- * Built at first use by compile_rng/cpu_kernel.py. Only integer arithmetic, so
- * compiler flags cannot change results.
+ * - cr_philox_words: the stream words of any layout (the generic eager path does the
+ *   float transforms with torch ops, shared with the Inductor lowering);
+ * - cr_fast_f32: float32 uniform/bernoulli/dropout of a contiguous stream, final values;
+ * - cr_normal_f32: float32 normals of any layout, final values.
+ *
+ * Built at first use by compile_rng/cpu_kernel.py with -ffp-contract=off and without
+ * -ffast-math, so float results do not depend on vectorization.
  */
 #include <pthread.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 #include <stdint.h>
-#include <stdlib.h>
 #include <sys/mman.h>
 
 #define MAX_DIMS 16
@@ -34,41 +36,89 @@ static void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     }
 }
 
+/* Walks the counters of elements begin, begin+1, ... of a layout (an odometer). */
+typedef struct {
+    int ndim;
+    const int64_t *size, *strides;
+    int64_t idx[MAX_DIMS];
+    uint64_t n;  /* the current element's counter */
+} walk_t;
+
+static void walk_start(walk_t *w, uint64_t base, int ndim, const int64_t *size, const int64_t *strides,
+                       int64_t begin) {
+    w->ndim = ndim; w->size = size; w->strides = strides; w->n = base;
+    for (int d = ndim - 1; d >= 0; d--) {
+        w->idx[d] = size[d] ? begin % size[d] : 0;
+        begin = size[d] ? begin / size[d] : 0;
+        w->n += (uint64_t)w->idx[d] * (uint64_t)strides[d];
+    }
+}
+
+static inline void walk_next(walk_t *w) {
+    for (int d = w->ndim - 1; d >= 0; d--) {
+        w->n += (uint64_t)w->strides[d];
+        if (++w->idx[d] < w->size[d]) return;
+        w->n -= (uint64_t)w->strides[d] * (uint64_t)w->idx[d];
+        w->idx[d] = 0;
+    }
+}
+
+/* Runs fn(ctx, begin, end) over [0, numel) split across up to nthreads threads
+ * (at least min_per_thread elements each); the calling thread takes the first part.
+ * Returns 0, or -2 if a thread could not start (then nothing was computed). */
+typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
+typedef struct { range_fn fn; const void *ctx; int64_t begin, end; } task_t;
+
+static void *run_task(void *arg) {
+    task_t *t = (task_t *)arg;
+    t->fn(t->ctx, t->begin, t->end);
+    return NULL;
+}
+
+static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, range_fn fn, const void *ctx) {
+    if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    task_t tasks[64];
+    pthread_t tids[64];
+    int started = 0;
+    for (int t = 0; t < nthreads; t++) {
+        tasks[t] = (task_t){fn, ctx, numel * t / nthreads, numel * (t + 1) / nthreads};
+        if (t == 0) continue;
+        if (pthread_create(&tids[t], NULL, run_task, &tasks[t]) != 0) {
+            for (int u = 1; u <= started; u++) pthread_join(tids[u], NULL);
+            return -2;
+        }
+        started = t;
+    }
+    run_task(&tasks[0]);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    return 0;
+}
+
 typedef struct {
     int64_t *words;   /* numel words (mode 0) or 2*numel words (pair mode) */
     int64_t *lanes;   /* optional: numel lanes (n & 3) */
-    int64_t begin, end;
     uint64_t seed, base;
     int ndim;
-    int64_t size[MAX_DIMS], strides[MAX_DIMS];
+    const int64_t *size, *strides;
     uint32_t c2;
     int pair;
-} job_t;
+} words_t;
 
-static void *run_job(void *arg) {
-    job_t *j = (job_t *)arg;
-    int64_t idx[MAX_DIMS];
-    int64_t rem = j->begin;
-    uint64_t n = j->base;
-    for (int d = j->ndim - 1; d >= 0; d--) {
-        idx[d] = j->size[d] ? rem % j->size[d] : 0;
-        rem = j->size[d] ? rem / j->size[d] : 0;
-        n += (uint64_t)idx[d] * (uint64_t)j->strides[d];
-    }
-    uint64_t cached_block = ~(uint64_t)0;
-    int have_block = 0;
+static void words_range(const void *ctx, int64_t begin, int64_t end) {
+    const words_t *j = (const words_t *)ctx;
+    walk_t walk;
+    walk_start(&walk, j->base, j->ndim, j->size, j->strides, begin);
+    uint64_t cached = ~(uint64_t)0;
     uint32_t w[4];
-    for (int64_t i = j->begin; i < j->end; i++) {
-        uint64_t block = n >> 2;
-        unsigned lane = (unsigned)(n & 3);
-        if (!have_block || block != cached_block) {
-            w[0] = (uint32_t)block;
-            w[1] = (uint32_t)(block >> 32);
-            w[2] = j->c2;
-            w[3] = 0;
+    for (int64_t i = begin; i < end; i++, walk_next(&walk)) {
+        uint64_t block = walk.n >> 2;
+        unsigned lane = (unsigned)(walk.n & 3);
+        if (block != cached) {  /* ~0 is never a block index (< 2**62) */
+            w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = j->c2; w[3] = 0;
             philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
-            cached_block = block;
-            have_block = 1;
+            cached = block;
         }
         if (j->pair) {
             unsigned p = lane >> 1;
@@ -78,15 +128,7 @@ static void *run_job(void *arg) {
             j->words[i] = w[lane];
         }
         if (j->lanes) j->lanes[i] = lane;
-        /* odometer step: advance the multi-index and the counter together */
-        for (int d = j->ndim - 1; d >= 0; d--) {
-            n += (uint64_t)j->strides[d];
-            if (++idx[d] < j->size[d]) break;
-            n -= (uint64_t)j->strides[d] * (uint64_t)idx[d];
-            idx[d] = 0;
-        }
     }
-    return NULL;
 }
 
 /* Returns 0 on success, -1 if ndim is too large, -2 if a thread could not start. */
@@ -94,28 +136,8 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
                     uint64_t base, int ndim, const int64_t *size, const int64_t *strides,
                     uint32_t c2, int pair, int nthreads) {
     if (ndim > MAX_DIMS) return -1;
-    const int64_t min_per_thread = 1 << 16;
-    if (nthreads < 1) nthreads = 1;
-    if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
-    if (nthreads < 1) nthreads = 1;
-    job_t *jobs = (job_t *)calloc((size_t)nthreads, sizeof(job_t));
-    pthread_t *tids = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
-    if (!jobs || !tids) { free(jobs); free(tids); return -2; }
-    int rc = 0, started = 0;
-    for (int t = 0; t < nthreads; t++) {
-        job_t *j = &jobs[t];
-        j->words = words; j->lanes = lanes;
-        j->begin = numel * t / nthreads; j->end = numel * (t + 1) / nthreads;
-        j->seed = seed; j->base = base; j->ndim = ndim; j->c2 = c2; j->pair = pair;
-        for (int d = 0; d < ndim; d++) { j->size[d] = size[d]; j->strides[d] = strides[d]; }
-        if (t == 0) continue;
-        if (pthread_create(&tids[t], NULL, run_job, j) != 0) { rc = -2; break; }
-        started = t;
-    }
-    if (rc == 0) run_job(&jobs[0]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    free(jobs); free(tids);
-    return rc;
+    words_t ctx = {words, lanes, seed, base, ndim, size, strides, c2, pair};
+    return parallel_for(numel, nthreads, 1 << 16, words_range, &ctx);
 }
 
 /* ---- Fast paths: contiguous streams (counter = base + i), final float32 values ---------
@@ -198,7 +220,6 @@ typedef struct {
     float *out;
     uint8_t *mask;     /* dropout: keep mask */
     const float *x;    /* dropout: input */
-    int64_t begin, end;
     uint64_t seed, base;
     float low, range, high_f;                  /* uniform */
     uint64_t threshold;                        /* bernoulli / dropout keep */
@@ -227,18 +248,18 @@ static inline void emit(const fjob_t *j, int64_t i, uint32_t w) {
 }
 
 /* One op per instantiation (op is a constant after inlining), so the emit loop vectorizes. */
-static inline __attribute__((always_inline)) void run_range(fjob_t *j, const int op) {
+static inline __attribute__((always_inline)) void fast_range_op(const fjob_t *j, int64_t i, int64_t end,
+                                                                 const int op) {
     uint32_t k0 = (uint32_t)j->seed, k1 = (uint32_t)(j->seed >> 32);
-    int64_t i = j->begin;
     uint32_t lin[4 * VB];
     fjob_t job = *j;
     job.op = op;
     /* head: up to the next block boundary; body: VB blocks at a time; tail: the rest */
-    while (i < j->end) {
+    while (i < end) {
         uint64_t n = j->base + (uint64_t)i;
         uint64_t block = n >> 2;
         unsigned lane = (unsigned)(n & 3);
-        if (lane == 0 && j->end - i >= 4 * VB) {
+        if (lane == 0 && end - i >= 4 * VB) {
             philox_blocks(block, k0, k1, lin);
             for (int k = 0; k < 4 * VB; k++) emit(&job, i + k, lin[k]);
             i += 4 * VB;
@@ -246,18 +267,17 @@ static inline __attribute__((always_inline)) void run_range(fjob_t *j, const int
         }
         uint32_t c[4] = {(uint32_t)block, (uint32_t)(block >> 32), 0, 0};
         philox4x32_10(c, k0, k1);
-        for (; lane < 4 && i < j->end; lane++, i++) emit(&job, i, c[lane]);
+        for (; lane < 4 && i < end; lane++, i++) emit(&job, i, c[lane]);
     }
 }
 
-static void *run_fjob(void *arg) {
-    fjob_t *j = (fjob_t *)arg;
+static void fast_range(const void *ctx, int64_t begin, int64_t end) {
+    const fjob_t *j = (const fjob_t *)ctx;
     switch (j->op) {
-    case OP_UNIFORM: run_range(j, OP_UNIFORM); break;
-    case OP_BERNOULLI: run_range(j, OP_BERNOULLI); break;
-    default: run_range(j, OP_DROPOUT); break;
+    case OP_UNIFORM: fast_range_op(j, begin, end, OP_UNIFORM); break;
+    case OP_BERNOULLI: fast_range_op(j, begin, end, OP_BERNOULLI); break;
+    default: fast_range_op(j, begin, end, OP_DROPOUT); break;
     }
-    return NULL;
 }
 
 /* Fresh output buffers are not yet backed by memory; faulting them in 4 KiB pages costs
@@ -276,30 +296,10 @@ static void prefer_huge_pages(void *p, size_t bytes) {
 /* Contiguous float32 outputs. op: 0 uniform, 1 bernoulli(threshold), 2 dropout. */
 int cr_fast_f32(int op, float *out, uint8_t *mask, const float *x, int64_t numel, uint64_t seed, uint64_t base,
                 float low, float range, float high, uint64_t threshold, float scale, int nthreads) {
-    const int64_t min_per_thread = 1 << 16;
     prefer_huge_pages(out, (size_t)numel * sizeof(float));
     if (mask) prefer_huge_pages(mask, (size_t)numel);
-    if (nthreads < 1) nthreads = 1;
-    if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
-    if (nthreads < 1) nthreads = 1;
-    fjob_t jobs[64];
-    pthread_t tids[64];
-    if (nthreads > 64) nthreads = 64;
-    int started = 0, rc = 0;
-    for (int t = 0; t < nthreads; t++) {
-        fjob_t *j = &jobs[t];
-        j->op = op; j->out = out; j->mask = mask; j->x = x;
-        j->begin = numel * t / nthreads;
-        j->end = numel * (t + 1) / nthreads;
-        j->seed = seed; j->base = base; j->low = low; j->range = range; j->high_f = high;
-        j->threshold = threshold; j->scale = scale;
-        if (t == 0) continue;
-        if (pthread_create(&tids[t], NULL, run_fjob, j) != 0) { rc = -2; break; }
-        started = t;
-    }
-    if (rc == 0) run_fjob(&jobs[0]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    return rc;
+    fjob_t ctx = {op, out, mask, x, seed, base, low, range, high, threshold, scale};
+    return parallel_for(numel, nthreads, 1 << 16, fast_range, &ctx);
 }
 
 /* ---- normal: float32, any counter layout ---------------------------------------------
@@ -357,23 +357,16 @@ static inline void cr_sincosf(float a, float *c_out, float *s_out) {
 
 typedef struct {
     float *out;
-    int64_t begin, end;
     uint64_t seed, base;
     int ndim;
-    int64_t size[MAX_DIMS], strides[MAX_DIMS];
+    const int64_t *size, *strides;
     float mean, std;
 } njob_t;
 
-static void *run_njob(void *arg) {
-    njob_t *j = (njob_t *)arg;
-    int64_t idx[MAX_DIMS];
-    int64_t rem = j->begin;
-    uint64_t n = j->base;
-    for (int d = j->ndim - 1; d >= 0; d--) {
-        idx[d] = j->size[d] ? rem % j->size[d] : 0;
-        rem = j->size[d] ? rem / j->size[d] : 0;
-        n += (uint64_t)idx[d] * (uint64_t)j->strides[d];
-    }
+static void normal_range(const void *ctx, int64_t begin, int64_t end) {
+    const njob_t *j = (const njob_t *)ctx;
+    walk_t walk;
+    walk_start(&walk, j->base, j->ndim, j->size, j->strides, begin);
     int contiguous = 1;  /* counter = base + i: whole batches of blocks at once */
     for (int d = j->ndim - 1, expected = 1; d >= 0; d--) {
         if (j->size[d] != 1 && j->strides[d] != expected) contiguous = 0;
@@ -383,37 +376,31 @@ static void *run_njob(void *arg) {
     uint32_t w[4];
     uint32_t we[NB], wo[NB], lin[NB];
     int odd[NB];
-    for (int64_t i0 = j->begin; i0 < j->end; i0 += NB) {
-        int cnt = (int)(j->end - i0 < NB ? j->end - i0 : NB);
-        if (contiguous && cnt == NB && (n & 3) == 0) {
-            philox_blocks(n >> 2, (uint32_t)j->seed, (uint32_t)(j->seed >> 32), lin);
+    for (int64_t i0 = begin; i0 < end; i0 += NB) {
+        int cnt = (int)(end - i0 < NB ? end - i0 : NB);
+        if (contiguous && cnt == NB && (walk.n & 3) == 0) {
+            philox_blocks(walk.n >> 2, (uint32_t)j->seed, (uint32_t)(j->seed >> 32), lin);
             for (int k = 0; k < NB; k++) {
                 we[k] = lin[k & ~1];
                 wo[k] = lin[k | 1];
                 odd[k] = k & 1;
             }
-            n += NB;
-        } else for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
-            uint64_t block = n >> 2;
-            unsigned lane = (unsigned)(n & 3);
-            if (block != cached) {
-                w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
-                philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
-                cached = block;
-            }
-            unsigned p = lane >> 1;
-            we[k] = w[2 * p];
-            wo[k] = w[2 * p + 1];
-            odd[k] = (int)(lane & 1);
-            if (contiguous) {  /* the batch path does not keep idx */
-                n += 1;
-                continue;
-            }
-            for (int d = j->ndim - 1; d >= 0; d--) {
-                n += (uint64_t)j->strides[d];
-                if (++idx[d] < j->size[d]) break;
-                n -= (uint64_t)j->strides[d] * (uint64_t)idx[d];
-                idx[d] = 0;
+            walk.n += NB;  /* contiguous: the counter is all the walker needs */
+        } else {
+            for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
+                uint64_t block = walk.n >> 2;
+                unsigned lane = (unsigned)(walk.n & 3);
+                if (block != cached) {
+                    w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
+                    philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
+                    cached = block;
+                }
+                unsigned p = lane >> 1;
+                we[k] = w[2 * p];
+                wo[k] = w[2 * p + 1];
+                odd[k] = (int)(lane & 1);
+                if (contiguous) walk.n += 1;
+                else walk_next(&walk);
             }
         }
         for (int k = 0; k < cnt; k++) {  /* Box-Muller, vectorizable */
@@ -426,31 +413,12 @@ static void *run_njob(void *arg) {
             j->out[i0 + k] = z * j->std + j->mean;
         }
     }
-    return NULL;
 }
 
 int cr_normal_f32(float *out, int64_t numel, uint64_t seed, uint64_t base, int ndim, const int64_t *size,
                   const int64_t *strides, float mean, float std, int nthreads) {
     if (ndim > MAX_DIMS) return -1;
-    const int64_t min_per_thread = 1 << 15;
     prefer_huge_pages(out, (size_t)numel * sizeof(float));
-    if (nthreads < 1) nthreads = 1;
-    if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > 64) nthreads = 64;
-    njob_t jobs[64];
-    pthread_t tids[64];
-    int started = 0, rc = 0;
-    for (int t = 0; t < nthreads; t++) {
-        njob_t *j = &jobs[t];
-        j->out = out; j->begin = numel * t / nthreads; j->end = numel * (t + 1) / nthreads;
-        j->seed = seed; j->base = base; j->ndim = ndim; j->mean = mean; j->std = std;
-        for (int d = 0; d < ndim; d++) { j->size[d] = size[d]; j->strides[d] = strides[d]; }
-        if (t == 0) continue;
-        if (pthread_create(&tids[t], NULL, run_njob, j) != 0) { rc = -2; break; }
-        started = t;
-    }
-    if (rc == 0) run_njob(&jobs[0]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    return rc;
+    njob_t ctx = {out, seed, base, ndim, size, strides, mean, std};
+    return parallel_for(numel, nthreads, 1 << 15, normal_range, &ctx);
 }
