@@ -188,13 +188,17 @@ def _resolve_pending(node: fx.Node, key: fx.Node, base: Any) -> fx.Node:
     return user
 
 
-def _match_dropout_backward(graph: fx.Graph) -> None:
-    """Scale dropout gradients exactly like the forward.
+def _dropout_backward_from_stream(graph: fx.Graph) -> None:
+    """Dropout's backward regenerates its mask from the stream instead of saving it.
 
-    ``native_dropout_backward`` multiplies by ``1 / (1 - p)`` rounded once from double;
-    the forward (and eager DTensor dropout) use the canonical scale divided in the
-    compute dtype, which differs by an ulp for some ``p``. The gradient must be the
-    derivative of what the forward computed.
+    ``native_dropout_backward(grad, mask, scale)`` becomes ``grad * keep * s`` where
+    ``keep`` is drawn again at the forward dropout's counters (same key, offset and
+    strides: a bernoulli with ``p = 1 - p_drop`` is exactly dropout's keep test), so the
+    forward's mask output is dead and nothing but the 2-element key is saved for
+    backward. ``s`` is the forward's scale, rounded like the forward (``1 / (1 - p)``
+    from double can differ by an ulp), so the gradient is the derivative of what the
+    forward computed. Runs after the rewrite, when the masks come from
+    ``compile_rng.dropout`` nodes.
     """
     from compile_rng.stream import keep_scale
 
@@ -202,16 +206,28 @@ def _match_dropout_backward(graph: fx.Graph) -> None:
         grad, mask, scale = node.args
         dtype = node.meta["val"].dtype
         s = keep_scale(1.0 / scale, dtype) if scale else 0.0
+        source = mask.args[0] if mask.target is operator.getitem else None
         with graph.inserting_before(node):
-            kept = graph.call_function(torch.ops.aten.mul.Tensor, (grad, mask))
-            new = graph.call_function(torch.ops.aten.mul.Tensor, (kept, s))
-        fake_mode = torch._guards.detect_fake_mode([node.meta["val"]])
-        with fake_mode:
-            kept.meta["val"] = torch.ops.aten.mul.Tensor(grad.meta["val"], mask.meta["val"])
-            new.meta["val"] = torch.ops.aten.mul.Tensor(kept.meta["val"], s)
+            if source is not None and source.target is torch.ops.compile_rng.dropout.default:
+                key, offset, x, strides, p = source.args
+                size = list(node.meta["val"].shape)
+                keep = _call(graph, torch.ops.compile_rng.bernoulli.default, key, offset, size, strides, 1.0 - p, dtype)
+            else:
+                keep = mask
+            kept = _call(graph, torch.ops.aten.mul.Tensor, grad, keep)
+            new = _call(graph, torch.ops.aten.mul.Tensor, kept, s)
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    """A call node with its fake value computed from its arguments' values."""
+    node = graph.call_function(target, args)
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    with torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
+        node.meta["val"] = target(*vals)
+    return node
 
 
 def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
@@ -220,9 +236,9 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     Idempotent: a graph with no stateful random op and no pending key is left
     unchanged, so the pass can run on the joint graph and again on its partitions.
     """
-    _match_dropout_backward(graph)
     sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
     if not sites:
+        _dropout_backward_from_stream(graph)
         return
     plan.graphs_before.append(graph.python_code("self").src)
     key = find_key(graph)
@@ -263,5 +279,6 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
                 graph.erase_node(node)
         plan.ops.append(record)
         plan.total_advance = plan.total_advance + advance
+    _dropout_backward_from_stream(graph)
     graph.lint()
     plan.graphs.append(graph.python_code("self").src)

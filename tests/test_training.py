@@ -83,3 +83,30 @@ def test_dtensor_dropout_forward_backward_matches_eager():
                 assert torch.equal(e, c)
             kept = results[1][2] != 0  # relu(x) * mask: a quarter survives both
             assert 0.15 < kept.float().mean() < 0.35
+
+
+def _saved_bytes(fn, x):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    return total[0], out
+
+
+def test_compiled_dropout_saves_no_mask_for_backward():
+    torch._dynamo.reset()
+    x = torch.randn(256, 256, requires_grad=True)
+    fn = lambda t: F.dropout(t, 0.3)  # noqa: E731
+    eager_bytes, _ = _saved_bytes(fn, x)
+    compile_rng.manual_seed(SEED)
+    compiled_bytes, out = _saved_bytes(torch.compile(fn, backend=compile_rng.backend()), x)
+    out.sum().backward()
+    keep = torch.tensor([ref.keep_bernoulli(SEED, i, 0.7) for i in range(256 * 256)]).view(256, 256).float()
+    assert torch.equal(x.grad, keep.div_(0.7))  # the regenerated mask is the forward's
+    assert eager_bytes >= 256 * 256  # eager keeps a bool mask
+    assert compiled_bytes <= 64, compiled_bytes  # compiled keeps the key only
+    print(f"\nsaved for backward: eager {eager_bytes} bytes, compiled {compiled_bytes} bytes")
