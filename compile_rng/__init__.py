@@ -6,8 +6,10 @@ Public API:
   state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
   Importing compile_rng installs it as DTensor's RNG tracker: DTensor random ops on
   CPU meshes follow the SPMD contract in eager and compiled code alike.
-* :func:`backend` - ``torch.compile(fn, backend=compile_rng.backend(...))``; also
-  registered as ``backend="compile_rng"``.
+* :func:`compile` - ``torch.compile`` with compile_rng's backend, graph breaks
+  included (the eager code between graphs stays on the stream); :func:`backend` -
+  ``torch.compile(fn, backend=compile_rng.backend(...))``, also registered as
+  ``backend="compile_rng"`` (its graphs only).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a
   weight-initialization function; :func:`mode` - the counter layout of eager DTensor ops.
 * :func:`dump` (depyf dumps plus annotated graphs before/after the pass) and
@@ -40,6 +42,7 @@ _mount_source_passes()
 
 from . import ops, stream  # noqa: E402
 from .backend import backend  # noqa: E402
+from .compiling import compile  # noqa: E402
 from .dump import dump  # noqa: E402
 from .init_decorator import init  # noqa: E402
 from .report import explain  # noqa: E402
@@ -51,5 +54,5 @@ from .tracker import mode  # noqa: E402
 install_manual_seed_hook()
 tracker.install()  # importing compile_rng opts DTensor random ops on CPU meshes into its stream
 
-__all__ = ["backend", "dump", "explain", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
+__all__ = ["backend", "compile", "dump", "explain", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
 __version__ = "0.1.0"

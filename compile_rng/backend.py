@@ -11,6 +11,7 @@ counters: the state is always "advanced by the whole graph") and passes the key.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,23 @@ def _graph_name(gm: fx.GraphModule) -> str:
     return f"{func.strip('<>')}.{compile_id}"
 
 
+def _warn_if_split(gm: fx.GraphModule) -> None:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break or tracker.in_compiled_call():
+        return
+    # Reported at the user's line that broke the graph, once per compiled graph.
+    where = reason.user_stack[-1] if reason.user_stack else None
+    warnings.warn_explicit(
+        f"compile_rng: Dynamo split the function here ({reason.reason.splitlines()[0]}). "
+        "Under torch.compile(backend='compile_rng') a plain-tensor random op in the eager "
+        "code between graphs draws from torch's generator, not from compile_rng's stream; "
+        "compile with compile_rng.compile(fn) to keep it on the stream.",
+        UserWarning,
+        where.filename if where else "<compile_rng>",
+        where.lineno if where else 0,
+    )
+
+
 class Backend:
     """A ``torch.compile`` backend; ``plans`` keeps what the pass did, one per graph."""
 
@@ -164,6 +182,7 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        _warn_if_split(gm)
         plan = RngPlan(name=_graph_name(gm), collect_unsupported=self.config.collect_unsupported)
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
         with tracker.tracing_for_backend(self.config.mode):
@@ -179,7 +198,8 @@ class Backend:
             if check:
                 verify.check(plan.name, *state.get_state(), graph_signature)
             seed, offset = state.advance(advance(args))
-            return compiled(*args, make_key(seed, offset))
+            with tracker.graph_call():
+                return compiled(*args, make_key(seed, offset))
 
         return run
 

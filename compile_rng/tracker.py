@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from . import fqn_streams, state
 from . import ops as cr_ops
@@ -212,6 +212,47 @@ def eager_stream() -> Iterator[None]:
         yield
 
 
+class _SegmentMode(RandomOpMode):
+    # Dynamo compiles under a mode that ignores compile internals and the compiled
+    # graphs run under it; only the eager code between graphs reaches the mode with
+    # random ops (the graphs' own random ops are functional already).
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+_IN_COMPILED_CALL = contextvars.ContextVar("compile_rng_in_compiled_call", default=False)
+
+
+@contextlib.contextmanager
+def compiled_call() -> Iterator[None]:
+    """Around a call of a ``compile_rng.compile``d function: the eager code Dynamo runs
+    between graphs draws plain-tensor random ops from the stream (as
+    :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
+    token = _IN_COMPILED_CALL.set(True)
+    try:
+        with _SegmentMode(_plain_counters, plain_only=True):
+            yield
+    finally:
+        _IN_COMPILED_CALL.reset(token)
+
+
+def in_compiled_call() -> bool:
+    """Whether the code runs inside :func:`compiled_call`."""
+    return _IN_COMPILED_CALL.get()
+
+
+@contextlib.contextmanager
+def graph_call() -> Iterator[None]:
+    """Around a compiled graph: its ops skip :func:`compiled_call`'s mode (their random
+    ops are functional already), which saves a Python dispatch per op."""
+    if isinstance(_get_current_dispatch_mode(), _SegmentMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def _coordinates(mesh: Any, symbolic: bool) -> list:
     if symbolic:
         with torch.distributed.config.patch(compile_on_one_rank=True):
@@ -305,6 +346,10 @@ _UNROUTED = [
 
 def _inplace_handler(op_call, args, kwargs):
     target = args[0]
+    if target.device_mesh.get_coordinate() is None:
+        # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
+        # nothing and does not advance its state.
+        return target
     local_args = [a.to_local() if isinstance(a, DTensor) else a for a in args]
     import torch.distributed.tensor._random as dtensor_random
 
