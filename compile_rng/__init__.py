@@ -48,11 +48,12 @@ from .init_decorator import init  # noqa: E402
 from .report import explain  # noqa: E402
 from .seeding import install_manual_seed_hook, manual_seed  # noqa: E402
 from .state import get_state, set_state  # noqa: E402
-from . import tracker  # noqa: E402
+from . import tracker, trunc_normal  # noqa: E402
 from .tracker import mode  # noqa: E402
 
 install_manual_seed_hook()
 tracker.install()  # importing compile_rng opts DTensor random ops on CPU meshes into its stream
+trunc_normal.install()  # torch.nn.init.trunc_normal_: fewer redraws, ranks kept in step
 
 __all__ = ["backend", "compile", "dump", "explain", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
 __version__ = "0.1.0"

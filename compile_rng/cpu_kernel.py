@@ -83,6 +83,12 @@ def _library() -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_float, ctypes.c_float, ctypes.c_int,
     ]
+    normal_at = lib.cr_normal_f32_at
+    normal_at.restype = ctypes.c_int
+    normal_at.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p,
+        ctypes.c_float, ctypes.c_float, ctypes.c_int,
+    ]
     return lib
 
 
@@ -99,6 +105,21 @@ def normal_f32(seed: int, base: int, size: list[int], strides: list[int], mean: 
         )
         if rc != 0:
             raise RuntimeError(f"compile_rng CPU kernel failed (code {rc}, ndim={ndim})")
+    return out
+
+
+def normal_f32_at(seed: int, base: int, counters: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """float32 normals at counters ``base + counters`` (int64, taken mod 2**64): the
+    values :func:`normal_f32` gives those counters, for a few scattered elements."""
+    counters = counters.to(torch.int64).contiguous().view(-1)
+    out = torch.empty(counters.numel(), dtype=torch.float32)
+    if out.numel():
+        rc = _library().cr_normal_f32_at(
+            out.data_ptr(), out.numel(), seed % 2**64, base % 2**64, counters.data_ptr(), mean, std,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"compile_rng CPU kernel failed (code {rc})")
     return out
 
 

@@ -155,6 +155,31 @@ def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
 
 
+@dataclass(frozen=True)
+class Counters:
+    """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
+    result has counter ``key base + offset + sum(idx * strides)`` under ``key``'s seed."""
+
+    key: torch.Tensor
+    offset: int
+    strides: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+_counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
+
+
+@contextlib.contextmanager
+def recorded_counters() -> Iterator[list[Counters]]:
+    """Collects the :class:`Counters` of every eager random op run inside the block."""
+    log: list[Counters] = []
+    token = _counter_log.set(log)
+    try:
+        yield log
+    finally:
+        _counter_log.reset(token)
+
+
 class RandomOpMode(TorchDispatchMode):
     """Replaces random ops with the functional ops at the counters ``counters`` assigns.
 
@@ -185,6 +210,9 @@ class RandomOpMode(TorchDispatchMode):
         size, dtype = _out_shape_dtype(func, kw)
         fqn_streams.select_for(kw.get("input"))
         key, offset, strides = self.counters(func, size)
+        log = _counter_log.get()
+        if log is not None:
+            log.append(Counters(key, offset, tuple(strides), tuple(size)))
         call = _TensorCall(functional, kw, key, offset, strides, size, dtype)
         result = RULES[functional](call)
         if func is not functional:  # in-place: write into the target

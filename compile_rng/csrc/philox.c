@@ -8,6 +8,7 @@
  *   float transforms with torch ops, shared with the Inductor lowering);
  * - cr_fast_f32: float32 uniform/bernoulli/dropout of a contiguous stream, final values;
  * - cr_normal_f32: float32 normals of any layout, final values.
+ * - cr_normal_f32_at: float32 normals at explicit counters.
  *
  * Built at first use by compile_rng/cpu_kernel.py with -ffp-contract=off and without
  * -ffast-math, so float results do not depend on vectorization.
@@ -361,14 +362,15 @@ typedef struct {
     int ndim;
     const int64_t *size, *strides;
     float mean, std;
+    const int64_t *counters; /* if set: element i has counter base + counters[i] */
 } njob_t;
 
 static void normal_range(const void *ctx, int64_t begin, int64_t end) {
     const njob_t *j = (const njob_t *)ctx;
     walk_t walk;
     walk_start(&walk, j->base, j->ndim, j->size, j->strides, begin);
-    int contiguous = 1;  /* counter = base + i: whole batches of blocks at once */
-    for (int d = j->ndim - 1, expected = 1; d >= 0; d--) {
+    int contiguous = !j->counters;  /* counter = base + i: whole batches of blocks at once */
+    for (int d = j->ndim - 1, expected = 1; d >= 0 && contiguous; d--) {
         if (j->size[d] != 1 && j->strides[d] != expected) contiguous = 0;
         expected *= (int)j->size[d];
     }
@@ -388,8 +390,9 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
             walk.n += NB;  /* contiguous: the counter is all the walker needs */
         } else {
             for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
-                uint64_t block = walk.n >> 2;
-                unsigned lane = (unsigned)(walk.n & 3);
+                uint64_t n = j->counters ? j->base + (uint64_t)j->counters[i0 + k] : walk.n;
+                uint64_t block = n >> 2;
+                unsigned lane = (unsigned)(n & 3);
                 if (block != cached) {
                     w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
                     philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
@@ -400,7 +403,7 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
                 wo[k] = w[2 * p + 1];
                 odd[k] = (int)(lane & 1);
                 if (contiguous) walk.n += 1;
-                else walk_next(&walk);
+                else if (!j->counters) walk_next(&walk);
             }
         }
         for (int k = 0; k < cnt; k++) {  /* Box-Muller, vectorizable */
@@ -419,6 +422,15 @@ int cr_normal_f32(float *out, int64_t numel, uint64_t seed, uint64_t base, int n
                   const int64_t *strides, float mean, float std, int nthreads) {
     if (ndim > MAX_DIMS) return -1;
     prefer_huge_pages(out, (size_t)numel * sizeof(float));
-    njob_t ctx = {out, seed, base, ndim, size, strides, mean, std};
+    njob_t ctx = {out, seed, base, ndim, size, strides, mean, std, NULL};
+    return parallel_for(numel, nthreads, 1 << 15, normal_range, &ctx);
+}
+
+/* float32 normals at the explicit counters base + counters[i] (a few scattered elements,
+ * e.g. the redraws of a truncated normal), bitwise equal to cr_normal_f32 there. */
+int cr_normal_f32_at(float *out, int64_t numel, uint64_t seed, uint64_t base, const int64_t *counters,
+                     float mean, float std, int nthreads) {
+    int64_t one = 1;
+    njob_t ctx = {out, seed, base, 1, &numel, &one, mean, std, counters};
     return parallel_for(numel, nthreads, 1 << 15, normal_range, &ctx);
 }

@@ -1,0 +1,137 @@
+"""``nn.init.trunc_normal_`` on the stream, redrawing only the rejected elements.
+
+torch 2.13's ``trunc_normal_`` (when more than 30% of the mass lies in ``[a, b]``)
+fills the tensor with ``normal_(mean, std)``, then, while any element is outside
+``[a, b]``, draws a whole new tensor and takes its values at those elements. On
+compile_rng's stream every draw uses the same counter layout: element ``i`` of draw
+``k`` has counter ``base_0 + k * advance + c_i`` (``advance``: what one draw of the
+tensor consumes). So an element's final value is its first in-range draw, and the
+loop runs as many draws as the worst element needs (all ranks agree, as torch's
+``mask.any()`` on a DTensor makes them). :func:`trunc_normal_` computes exactly that:
+draw 0 with the stream's normal kernel, then only the rejected elements at their
+counters, advancing the state by ``advance`` per draw as the loop would. Same values,
+same state; the cost is one normal draw plus a min/max scan instead of several draws,
+comparisons and ``where``s over the whole tensor.
+
+It also fixes an SPMD bug of the loop on DTensors: in torch 2.13 ``bool(mask.any())``
+of a sharded mask reads the rank's local ``Partial`` value without reducing, so each
+rank stops after its own shard is in range and the ranks' RNG states drift apart
+(every later random op then disagrees across ranks). Here the stop test is reduced
+over the mesh, so all ranks advance alike; each element's value is unchanged (it is
+its first in-range draw either way).
+
+Installed as ``torch.nn.init.trunc_normal_`` on import. It takes over for DTensors on
+CPU meshes and for plain tensors inside compile_rng's stream (``@compile_rng.init``,
+``eager_stream``); anything else (torch's generator, other dtypes, narrow truncation,
+a ``generator``, non-contiguous local tensors, ranks outside the mesh) runs torch's
+own implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from . import state, tracker
+from .cpu_kernel import normal_f32_at
+
+_TORCH_TRUNC_NORMAL = torch.nn.init.trunc_normal_
+
+
+def _mass(mean: float, std: float, a: float, b: float) -> float:
+    def norm_cdf(x: float) -> float:  # as torch computes it
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    return norm_cdf((b - mean) / std) - norm_cdf((a - mean) / std)
+
+
+def _on_the_stream(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, DTensor):
+        return tensor.device_mesh.device_type == "cpu" and tracker.installed()
+    return any(isinstance(m, tracker.RandomOpMode) for m in _get_current_dispatch_mode_stack())
+
+
+def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return (
+        _on_the_stream(tensor)
+        and generator is None
+        and tensor.dtype == torch.float32
+        and tensor.device.type == "cpu"
+        and not tensor.is_meta
+        and local.is_contiguous()
+        and a - 2 * std <= mean <= b + 2 * std  # else torch warns; let it
+        and _mass(mean, std, a, b) > 0.3
+        and (not isinstance(tensor, DTensor) or tensor.device_mesh.get_coordinate() is not None)
+    )
+
+
+def _any_on_mesh(flag: bool, tensor: torch.Tensor) -> bool:
+    """``flag`` or-ed over the ranks of ``tensor``'s mesh (torch's loop asks a DTensor's
+    ``mask.any()``, which reduces over the mesh); a plain tensor is on one rank."""
+    if not isinstance(tensor, DTensor):
+        return flag
+    value = torch.tensor([int(flag)])
+    mesh = tensor.device_mesh
+    for dim in range(mesh.ndim):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return bool(value.item())
+
+
+@torch._dynamo.disable  # reads values and the state: always eager (a graph break)
+def trunc_normal_(
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``torch.nn.init.trunc_normal_`` with the values and state advance torch's
+    implementation has on compile_rng's stream (see the module docstring)."""
+    if not _fast_path_applies(tensor, mean, std, a, b, generator):
+        return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator)
+    with torch.no_grad():
+        lo = tensor.new_tensor(a, device="cpu").item()  # bounds in the tensor's dtype, as torch
+        hi = tensor.new_tensor(b, device="cpu").item()
+        with tracker.recorded_counters() as log:
+            tensor.normal_(mean, std)
+        (draw,) = log
+        seed, base = (int(v) % state.UINT64 for v in draw.key.tolist())
+        advance = (state.get_state(draw.key.device)[1] - base) % state.UINT64
+        flat = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).view(-1)
+        low_value, high_value = torch.aminmax(flat) if flat.numel() else (lo, hi)
+        if low_value >= lo and high_value <= hi:
+            rejected = torch.empty(0, dtype=torch.int64)
+        else:
+            rejected = ((flat < lo) | (flat > hi)).nonzero().view(-1)
+        counters = _layout_counters(rejected, draw)
+        k = 0
+        while _any_on_mesh(rejected.numel() > 0, tensor):
+            k += 1
+            state.advance(advance, draw.key.device)  # what the loop's whole redraw consumes
+            values = normal_f32_at(seed, base + k * advance, counters, mean, std)
+            flat[rejected] = values
+            still = (values < lo) | (values > hi)
+            rejected, counters = rejected[still], counters[still]
+    return tensor
+
+
+def _layout_counters(flat_index: torch.Tensor, draw: tracker.Counters) -> torch.Tensor:
+    """``offset + sum(idx * strides)`` of the row-major local positions ``flat_index``."""
+    counters = torch.full_like(flat_index, draw.offset)
+    rest = flat_index.clone()
+    for size, stride in zip(reversed(draw.size), reversed(draw.strides)):
+        counters += (rest % size) * stride
+        rest //= size
+    return counters
+
+
+def install() -> None:
+    """Make :func:`trunc_normal_` ``torch.nn.init.trunc_normal_`` (code that looks it up
+    at call time, as torch and torchtitan do, gets it)."""
+    torch.nn.init.trunc_normal_ = trunc_normal_
