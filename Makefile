@@ -29,6 +29,7 @@ test-all: setup
 bench: setup
 	$(PY) benchmarks/bench_random.py
 	$(PY) benchmarks/bench_init.py
+	$(PY) benchmarks/bench_init_ranks.py
 
 load: setup
 	$(PY) benchmarks/load_init.py

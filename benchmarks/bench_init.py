@@ -4,13 +4,16 @@ One process, all threads: eager ``init_weights`` (torch's own generator) against
 same function decorated with ``@compile_rng.init`` in tracker and invariant mode (warm:
 the decorated function's first call, which compiles or falls back, is timed separately),
 plus a variant without ``trunc_normal_`` (``normal_`` instead) that compiles as one
-graph. Prints seconds and ns/parameter with the ratio to eager; writes JSON.
+graph. Prints seconds and ns/parameter with the ratio to eager, and the one-graph
+init's compile time in fresh processes (cold and warm Inductor cache) with the pass's
+share; writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +51,36 @@ def timed(fn, model, repeat: int) -> tuple[float, float]:
     return first, statistics.median(samples)
 
 
+def first_compile(args: argparse.Namespace) -> dict:
+    """This process's first call of the one-graph init: total, backend, pass seconds."""
+    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.hidden)
+    init = compile_rng.init(init_normal)
+    start = time.perf_counter()
+    init(model)
+    total = time.perf_counter() - start
+    (plan,) = init.backend.plans
+    return {"first_call_s": total, "backend_s": plan.compile_seconds, "pass_s": plan.pass_seconds}
+
+
+def compile_times(args: argparse.Namespace) -> dict:
+    """``first_compile`` in two fresh processes sharing a new Inductor cache folder:
+    cold (empty cache), then warm (the kernels compiled by the first)."""
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        argv = [sys.executable, __file__, "--first-compile", *(f"--{k}={getattr(args, k)}" for k in MODEL_ARGS)]
+        for run in ("cold", "warm"):
+            result = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+            out[run] = json.loads(result.stdout.strip().splitlines()[-1])
+    return out
+
+
+MODEL_ARGS = ("dim", "layers", "heads", "hidden", "vocab")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=768)
@@ -57,7 +90,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default="bench-init.json")
+    parser.add_argument("--first-compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first_compile:
+        print(json.dumps(first_compile(args)))
+        return
     warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
     model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.hidden)
     params = sum(p.numel() for p in model.parameters())
@@ -82,8 +119,13 @@ def main() -> None:
         how = "" if r["one_graph"] is None else ("  (one graph)" if r["one_graph"] else "  (eager on the stream)")
         print(f"{name:<36} {r['first_s']:>10.2f}s {r['warm_s']:>8.2f}s {r['ns_per_param']:>9.2f} "
               f"{base / r['warm_s']:>8.2f}x{how}")
+    compiles = compile_times(args)
+    print("\nOne-graph init (normal_) in a fresh process: first call = Dynamo + backend (pass + Inductor) + run")
+    for run, c in compiles.items():
+        print(f"  {run} Inductor cache: first call {c['first_call_s']:.2f}s, backend {c['backend_s']:.2f}s, "
+              f"pass {c['pass_s']:.3f}s ({c['pass_s'] / c['first_call_s']:.1%} of the first call)")
     with open(args.json, "w") as f:
-        json.dump({"params": params, "rows": rows}, f, indent=1)
+        json.dump({"params": params, "rows": rows, "compile": compiles}, f, indent=1)
 
 
 if __name__ == "__main__":

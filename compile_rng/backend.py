@@ -11,6 +11,7 @@ counters: the state is always "advanced by the whole graph") and passes the key.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,8 +186,10 @@ class Backend:
         _warn_if_split(gm)
         plan = RngPlan(name=_graph_name(gm), collect_unsupported=self.config.collect_unsupported)
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
+        start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
             compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
+        plan.compile_seconds = time.perf_counter() - start
         advance = _AdvanceFn(plan.total_advance, placeholders)
         self.plans.append(plan)
         write_plan(plan)

@@ -19,6 +19,7 @@ Any other random op raises an error naming it.
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,9 @@ class RngPlan:
     #: explain() sets this: unsupported ops are recorded and left in place.
     collect_unsupported: bool = False
     unsupported: list[Unsupported] = field(default_factory=list)
+    #: wall time spent in this pass, and in the whole backend compile (set by the backend)
+    pass_seconds: float = 0.0
+    compile_seconds: float = 0.0
 
 
 def source_of(node: fx.Node) -> str:
@@ -236,6 +240,14 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     Idempotent: a graph with no stateful random op and no pending key is left
     unchanged, so the pass can run on the joint graph and again on its partitions.
     """
+    start = time.perf_counter()
+    try:
+        _functionalize(graph, plan)
+    finally:
+        plan.pass_seconds += time.perf_counter() - start
+
+
+def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
     sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
     if not sites:
         _dropout_backward_from_stream(graph)

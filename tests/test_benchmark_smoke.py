@@ -22,3 +22,28 @@ def test_bench_random_smoke(tmp_path):
             "compile_rng torch.randn", "compile_rng dropout"} <= cases
     assert all(r["ns_per_elem"] > 0 for r in rows)
     assert "speedup_vs_eager" in run.stdout or "vs eager" in run.stdout
+
+
+SMALL_MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--hidden", "96", "--vocab", "256", "--repeat", "1"]
+
+
+def test_bench_init_smoke(tmp_path):
+    out = tmp_path / "init.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init.py"), *SMALL_MODEL, "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rows"]["compile_rng.init tracker (normal_)"]["one_graph"] is True
+    for run_kind in ("cold", "warm"):
+        c = result["compile"][run_kind]
+        assert 0 < c["pass_s"] < c["backend_s"] < c["first_call_s"]
+
+
+def test_bench_init_ranks_smoke(tmp_path):
+    out = tmp_path / "ranks.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init_ranks.py"), *SMALL_MODEL, "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1x0", "2x0", "2x1"}
+    assert rows["2x0"]["local_params"] + rows["2x1"]["local_params"] == rows["1x0"]["local_params"]

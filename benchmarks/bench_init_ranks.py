@@ -1,0 +1,97 @@
+"""Init scaling over ranks: the example model (134M parameters) FSDP-sharded over 1 and
+2 gloo ranks, each rank on one thread (2 ranks use the 2 cores one rank leaves idle),
+initialized with ``@compile_rng.init`` (``trunc_normal_``, tracker and invariant mode).
+
+Prints each world size's warm per-rank seconds and its ratio to the 1-rank time
+(ideal: 1/world), plus eager torch on the unsharded model with one thread for scale;
+writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+
+def _warm_seconds(fn, model, repeat: int) -> float:
+    fn(model)  # first call: compile attempt / warm-up
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(model)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+    import warnings
+
+    from torch.distributed.tensor import init_device_mesh
+
+    import compile_rng
+    from llama_init import init_weights, parallel_model
+
+    warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = parallel_model("fsdp", mesh, args)
+    torch.manual_seed(0)
+    row = {}
+    for mode in ("tracker", "invariant"):
+        dist.barrier()
+        row[mode] = _warm_seconds(compile_rng.init(init_weights, mode=mode), model, args.repeat)
+    row["local_params"] = sum(p.to_local().numel() for p in model.parameters())
+    results[(world, rank)] = row
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    from llama_init import build, init_weights
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", default="bench-init-ranks.json")
+    args = parser.parse_args()
+    results = mp.Manager().dict()
+    for world in args.worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(run_rank, args=(world, port, args, results), nprocs=world, join=True)
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        eager = _warm_seconds(init_weights, build(meta=False, args=args), args.repeat)
+    rows = {f"{w}x{r}": v for (w, r), v in sorted(results.items())}
+    print(f"\nExample model init, FSDP over gloo ranks, 1 thread per rank (eager torch, 1 rank: {eager:.2f} s)")
+    print(f"{'world':>5} {'rank':>4} {'local params':>13} {'tracker':>9} {'vs 1 rank':>9} {'invariant':>10} {'vs 1 rank':>9}")
+    for (world, rank), r in sorted(results.items()):
+        one = results[(1, 0)] if (1, 0) in results else r
+        print(f"{world:>5} {rank:>4} {r['local_params']:>13,} {r['tracker']:>8.2f}s {r['tracker'] / one['tracker']:>9.2f} "
+              f"{r['invariant']:>9.2f}s {r['invariant'] / one['invariant']:>9.2f}")
+    with open(args.json, "w") as f:
+        json.dump({"eager_torch_1_thread_s": eager, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
