@@ -216,6 +216,10 @@ def test_normal_batches_and_tails_match_reference(base):
     out = ops.normal(ops.make_key(seed, base), 0, [8, 125], [125, 1], 0.0, 1.0, torch.float32)
     expected = torch.tensor([ref.normal_std(seed, (base + i) % 2**64) for i in range(1000)], dtype=torch.float64)
     assert (out.double().flatten() - expected).abs().max() < 2e-4
+    # bitwise: the batch path (one Box-Muller per word pair) == the per-element path
+    from compile_rng.cpu_kernel import normal_f32_at
+
+    assert torch.equal(out.flatten(), normal_f32_at(seed, base, torch.arange(1000), 0.0, 1.0))
     strided = ops.normal(ops.make_key(seed, base), 0, [8, 125], [250, 2], 0.0, 1.0, torch.float32)
     expected = torch.tensor([ref.normal_std(seed, (base + 250 * r + 2 * c) % 2**64) for r in range(8) for c in range(125)],
                             dtype=torch.float64)

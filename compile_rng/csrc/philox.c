@@ -356,6 +356,15 @@ static inline void cr_sincosf(float a, float *c_out, float *s_out) {
     *s_out = sin_v;
 }
 
+/* Box-Muller of one word pair: radius and (cos, sin) of the angle. Element 2i of the
+ * pair's lanes is radius * cos, element 2i + 1 is radius * sin. */
+static inline void box_muller(uint32_t we, uint32_t wo, float *radius, float *c, float *s) {
+    float u1 = (float)((uint64_t)we + 1u) * 0x1p-32f;
+    float angle = ((float)wo * 0x1p-32f) * 6.2831854820251465f;
+    *radius = __builtin_sqrtf(cr_logf(u1) * -2.0f);
+    cr_sincosf(angle, c, s);
+}
+
 typedef struct {
     float *out;
     uint64_t seed, base;
@@ -381,37 +390,38 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
     for (int64_t i0 = begin; i0 < end; i0 += NB) {
         int cnt = (int)(end - i0 < NB ? end - i0 : NB);
         if (contiguous && cnt == NB && (walk.n & 3) == 0) {
+            /* whole pairs in order: one Box-Muller per pair gives both of its elements */
             philox_blocks(walk.n >> 2, (uint32_t)j->seed, (uint32_t)(j->seed >> 32), lin);
-            for (int k = 0; k < NB; k++) {
-                we[k] = lin[k & ~1];
-                wo[k] = lin[k | 1];
-                odd[k] = k & 1;
+            float *o = j->out + i0;
+            for (int p = 0; p < NB / 2; p++) {
+                float radius, c, s;
+                box_muller(lin[2 * p], lin[2 * p + 1], &radius, &c, &s);
+                float zc = radius * c, zs = radius * s;
+                o[2 * p] = zc * j->std + j->mean;
+                o[2 * p + 1] = zs * j->std + j->mean;
             }
             walk.n += NB;  /* contiguous: the counter is all the walker needs */
-        } else {
-            for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
-                uint64_t n = j->counters ? j->base + (uint64_t)j->counters[i0 + k] : walk.n;
-                uint64_t block = n >> 2;
-                unsigned lane = (unsigned)(n & 3);
-                if (block != cached) {
-                    w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
-                    philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
-                    cached = block;
-                }
-                unsigned p = lane >> 1;
-                we[k] = w[2 * p];
-                wo[k] = w[2 * p + 1];
-                odd[k] = (int)(lane & 1);
-                if (contiguous) walk.n += 1;
-                else if (!j->counters) walk_next(&walk);
-            }
+            continue;
         }
-        for (int k = 0; k < cnt; k++) {  /* Box-Muller, vectorizable */
-            float u1 = (float)((uint64_t)we[k] + 1u) * 0x1p-32f;
-            float angle = ((float)wo[k] * 0x1p-32f) * 6.2831854820251465f;
-            float radius = __builtin_sqrtf(cr_logf(u1) * -2.0f);
-            float c, s;
-            cr_sincosf(angle, &c, &s);
+        for (int k = 0; k < cnt; k++) {  /* words of each element (layout walk, block cache) */
+            uint64_t n = j->counters ? j->base + (uint64_t)j->counters[i0 + k] : walk.n;
+            uint64_t block = n >> 2;
+            unsigned lane = (unsigned)(n & 3);
+            if (block != cached) {
+                w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
+                philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
+                cached = block;
+            }
+            unsigned p = lane >> 1;
+            we[k] = w[2 * p];
+            wo[k] = w[2 * p + 1];
+            odd[k] = (int)(lane & 1);
+            if (contiguous) walk.n += 1;
+            else if (!j->counters) walk_next(&walk);
+        }
+        for (int k = 0; k < cnt; k++) {  /* Box-Muller per element (any lane), vectorizable */
+            float radius, c, s;
+            box_muller(we[k], wo[k], &radius, &c, &s);
             float z = radius * (odd[k] ? s : c);
             j->out[i0 + k] = z * j->std + j->mean;
         }
