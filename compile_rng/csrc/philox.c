@@ -227,23 +227,32 @@ typedef struct {
     float scale;                               /* dropout */
 } fjob_t;
 
-static inline void emit(const fjob_t *j, int64_t i, uint32_t w) {
+/* w < threshold (threshold <= 2**32) with 32-bit operations only, so it vectorizes in
+ * the 32-bit lanes of the words. */
+static inline int below(uint32_t w, uint64_t threshold) {
+    return (int)(threshold > 0xFFFFFFFFu) | (int)(w < (uint32_t)threshold);
+}
+
+/* out/mask/x are restrict: a store through the byte mask could otherwise alias the job
+ * and force reloads that stop the batch loop from vectorizing. */
+static inline void emit(const fjob_t *j, float *restrict out, uint8_t *restrict mask, const float *restrict x,
+                        int64_t i, uint32_t w) {
     switch (j->op) {
     case OP_UNIFORM: {
         float u = (float)(w >> 8) * 0x1p-24f;
         float v = u * j->range;
         v = v + j->low;
-        j->out[i] = (v >= j->high_f) ? j->low : v;  /* high_f == high exactly (caller checks) */
+        out[i] = (v >= j->high_f) ? j->low : v;  /* high_f == high exactly (caller checks) */
         break;
     }
     case OP_BERNOULLI:
-        j->out[i] = ((uint64_t)w < j->threshold) ? 1.0f : 0.0f;
+        out[i] = below(w, j->threshold) ? 1.0f : 0.0f;
         break;
     default: {
-        int keep = (uint64_t)w < j->threshold;
-        float kept = j->x[i] * (keep ? 1.0f : 0.0f);
-        j->out[i] = kept * j->scale;
-        j->mask[i] = (uint8_t)keep;
+        int keep = below(w, j->threshold);
+        float kept = x[i] * (keep ? 1.0f : 0.0f);
+        out[i] = kept * j->scale;
+        mask[i] = (uint8_t)keep;
     }
     }
 }
@@ -255,6 +264,9 @@ static inline __attribute__((always_inline)) void fast_range_op(const fjob_t *j,
     uint32_t lin[4 * VB];
     fjob_t job = *j;
     job.op = op;
+    float *restrict out = j->out;
+    uint8_t *restrict mask = j->mask;
+    const float *restrict x = j->x;
     /* head: up to the next block boundary; body: VB blocks at a time; tail: the rest */
     while (i < end) {
         uint64_t n = j->base + (uint64_t)i;
@@ -262,13 +274,13 @@ static inline __attribute__((always_inline)) void fast_range_op(const fjob_t *j,
         unsigned lane = (unsigned)(n & 3);
         if (lane == 0 && end - i >= 4 * VB) {
             philox_blocks(block, k0, k1, lin);
-            for (int k = 0; k < 4 * VB; k++) emit(&job, i + k, lin[k]);
+            for (int k = 0; k < 4 * VB; k++) emit(&job, out, mask, x, i + k, lin[k]);
             i += 4 * VB;
             continue;
         }
         uint32_t c[4] = {(uint32_t)block, (uint32_t)(block >> 32), 0, 0};
         philox4x32_10(c, k0, k1);
-        for (; lane < 4 && i < end; lane++, i++) emit(&job, i, c[lane]);
+        for (; lane < 4 && i < end; lane++, i++) emit(&job, out, mask, x, i, c[lane]);
     }
 }
 
