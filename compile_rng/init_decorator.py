@@ -32,11 +32,11 @@ def init(
 
     ``compile``: ``"auto"`` (default) compiles the function as one graph with
     ``compile_rng.backend(mode, inner)`` (cached by ``torch.compile`` per module
-    structure); a function Dynamo cannot capture whole - ``nn.init.trunc_normal_`` is a
-    data-dependent rejection loop in torch 2.13 - runs eagerly instead, with the same
+    structure); a function Dynamo cannot capture whole - ``nn.init.trunc_normal_`` reads
+    values (:mod:`compile_rng.trunc_normal`) - runs eagerly instead, with the same
     values, after a one-time warning. ``True`` requires the single graph (raises
-    otherwise); ``False`` always runs eagerly. Eager plain-tensor random ops must not
-    fall back to torch's own generator, so partial graphs are never used.
+    otherwise); ``False`` always runs eagerly. Partial graphs are not used: an init
+    loop split at every ``trunc_normal_`` would recompile per shape for no speed.
 
     ``key="fqn"``: every parameter and buffer of the ``nn.Module`` arguments draws from
     its own stream, derived from ``(seed, its fully qualified name)`` instead of from
