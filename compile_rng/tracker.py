@@ -155,6 +155,13 @@ def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
 
 
+def _generator_error(func: torch._ops.OpOverload) -> NotImplementedError:
+    return NotImplementedError(
+        f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
+        "argument (seed with compile_rng.manual_seed) or call it outside"
+    )
+
+
 @dataclass(frozen=True)
 class Counters:
     """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
@@ -199,14 +206,13 @@ class RandomOpMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if functional not in RULES:
             if is_random(func):
+                if _normalize(func, args, kwargs).get("generator") is not None:
+                    raise _generator_error(func)
                 raise unsupported(func)
             return func(*args, **kwargs)
         kw = _normalize(func, args, kwargs)
         if kw.get("generator") is not None:
-            raise NotImplementedError(
-                f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
-                "argument (seed with compile_rng.manual_seed) or call it outside"
-            )
+            raise _generator_error(func)
         size, dtype = _out_shape_dtype(func, kw)
         fqn_streams.select_for(kw.get("input"))
         key, offset, strides = self.counters(func, size)
@@ -372,13 +378,36 @@ _UNROUTED = [
 ]
 
 
+def _describe(mesh: Any) -> str:
+    return f"the {mesh.device_type} mesh of ranks {mesh.mesh.tolist()}"
+
+
+def _local_operand(op_call, target: DTensor, a: Any) -> Any:
+    """``a``'s local tensor laid out like ``target``'s shard (as DTensor's own dispatch
+    would redistribute it); operands from another mesh or plain tensors are refused."""
+    if isinstance(a, DTensor):
+        if a.device_mesh != target.device_mesh:
+            raise ValueError(
+                f"compile_rng: {op_call}: an operand lives on {_describe(a.device_mesh)}, the tensor it "
+                f"fills on {_describe(target.device_mesh)}; move it to the target's mesh "
+                "(distribute_tensor / redistribute)"
+            )
+        return a.redistribute(target.device_mesh, target.placements).to_local()
+    if isinstance(a, torch.Tensor) and a.dim() > 0:
+        raise ValueError(
+            f"compile_rng: {op_call}: mixes a torch.Tensor operand with a DTensor; make it a DTensor on "
+            "the target's mesh (distribute_tensor or DTensor.from_local)"
+        )
+    return a
+
+
 def _inplace_handler(op_call, args, kwargs):
     target = args[0]
     if target.device_mesh.get_coordinate() is None:
         # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
         # nothing and does not advance its state.
         return target
-    local_args = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    local_args = [target.to_local(), *(_local_operand(op_call, target, a) for a in args[1:])]
     import torch.distributed.tensor._random as dtensor_random
 
     with dtensor_random._rng_tracker._distribute_region(target._spec):
