@@ -92,10 +92,13 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def normal_f32(seed: int, base: int, size: list[int], strides: list[int], mean: float, std: float) -> torch.Tensor:
+def normal_f32(
+    seed: int, base: int, size: list[int], strides: list[int], mean: float, std: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """float32 normals at counters ``base + sum(idx * strides)``: the one implementation
-    of float32 Box-Muller (eager and compiled both call it)."""
-    out = torch.empty(list(size), dtype=torch.float32)
+    of float32 Box-Muller (eager and compiled both call it). Written into ``out`` (a
+    contiguous float32 tensor of ``size``) if given."""
+    out = torch.empty(list(size), dtype=torch.float32) if out is None else out
     if out.numel():
         ndim = len(size)
         arr = ctypes.c_int64 * max(ndim, 1)
@@ -142,15 +145,17 @@ def fast_f32(
     threshold: int = 0,
     scale: float = 0.0,
     x: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 values of a contiguous stream (counter ``base + i``), computed directly.
 
     ``op``: :data:`FAST_UNIFORM` (``[low, high)``), :data:`FAST_BERNOULLI` (``W <
     threshold``), :data:`FAST_DROPOUT` (of the contiguous float32 ``x``; also returns the
-    keep mask). Bitwise equal to the generic path; returns a flat tensor. Uniform needs
-    ``high`` exactly representable in float32 (see :func:`fast_uniform_ok`).
+    keep mask). Bitwise equal to the generic path; returns a flat tensor, or ``out`` (a
+    contiguous float32 tensor of ``numel`` elements) filled. Uniform needs ``high``
+    exactly representable in float32 (see :func:`fast_uniform_ok`).
     """
-    out = torch.empty(numel, dtype=torch.float32)
+    out = torch.empty(numel, dtype=torch.float32) if out is None else out
     mask = torch.empty(numel, dtype=torch.bool) if op == FAST_DROPOUT else None
     if numel:
         rc = _library().cr_fast_f32(

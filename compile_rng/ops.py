@@ -140,6 +140,22 @@ def _(key, offset, size, strides, low, high, dtype):
     return _empty(key, size, dtype)
 
 
+def _writable(out: torch.Tensor, size: Sequence[int]) -> bool:
+    return out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous() and list(out.shape) == list(size)
+
+
+def uniform_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+                 low: float, high: float, dtype: torch.dtype) -> bool:
+    """Eager ``uniform`` written straight into ``out`` when the C kernel can (float32,
+    contiguous, counters ``base + i``); returns whether it did. Same values as
+    :func:`uniform`."""
+    if not (dtype == torch.float32 and _writable(out, size) and _contiguous_stream(size, strides) and fast_uniform_ok(high)):
+        return False
+    seed, base = _key_values(key, offset)
+    fast_f32(FAST_UNIFORM, out.numel(), seed, base, low=low, high=high, out=out)
+    return True
+
+
 # --- normal ----------------------------------------------------------------------------
 
 
@@ -160,6 +176,18 @@ def normal(
         return stream.normal(_M, w[..., 0], w[..., 1], lanes, dtype, mean, std)
 
     return _by_rows(offset, size, strides, compute)
+
+
+def normal_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+                mean: float, std: float, dtype: torch.dtype) -> bool:
+    """Eager ``normal`` written straight into ``out`` when it is a contiguous float32
+    tensor of ``size``; returns whether it did. Same values as :func:`normal`."""
+    if not (dtype == torch.float32 and _writable(out, size)):
+        return False
+    _check_layout("normal", size, strides)
+    seed, base = _key_values(key, offset)
+    normal_f32(seed, base, list(size), list(strides), mean, std, out=out)
+    return True
 
 
 @normal.register_fake
@@ -304,3 +332,7 @@ def make_key(seed: int, base: int, device: str | torch.device = "cpu") -> torch.
 
     return torch.tensor([signed(seed), signed(base)], dtype=torch.int64, device=device)
 
+
+#: Eager in-place ``uniform_`` / ``normal_``: functional op -> writer that fills the
+#: target itself (a parameter init then needs no temporary and no copy).
+INTO = {torch.ops.compile_rng.uniform.default: uniform_into, torch.ops.compile_rng.normal.default: normal_into}

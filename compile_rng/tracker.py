@@ -127,9 +127,10 @@ def _out_shape_dtype(func: torch._ops.OpOverload, kw: dict) -> tuple[list, torch
 class _TensorCall(RandomCall):
     """A random op call on local tensors, replaced at dispatch time."""
 
-    def __init__(self, func, kw, key, offset, strides, size, dtype):
+    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None):
         self.op, self.kw, self.key, self.offset = func, kw, key, offset
         self._strides, self._size, self.dtype = strides, size, dtype
+        self.out = out  # an in-place op's target: the values may be written straight into it
 
     def arg(self, name, default=None):
         value = self.kw.get(name)
@@ -142,6 +143,9 @@ class _TensorCall(RandomCall):
         return self._strides
 
     def emit(self, target, *args):
+        into = cr_ops.INTO.get(target)
+        if self.out is not None and into is not None and into(self.out, self.key, self.offset, *args):
+            return self.out
         return target(self.key, self.offset, *args)
 
     def apply(self, target, *args, **kwargs):
@@ -219,11 +223,16 @@ class RandomOpMode(TorchDispatchMode):
         log = _counter_log.get()
         if log is not None:
             log.append(Counters(key, offset, tuple(strides), tuple(size)))
-        call = _TensorCall(functional, kw, key, offset, strides, size, dtype)
+        inplace = func is not functional
+        # Writing straight into the target needs real values (not while a graph is traced).
+        direct = inplace and get_proxy_mode() is None and torch._guards.detect_fake_mode() is None
+        call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
         result = RULES[functional](call)
-        if func is not functional:  # in-place: write into the target
+        if inplace:
             target = kw["input"]
-            target.copy_(result[0] if isinstance(result, tuple) else result)
+            result = result[0] if isinstance(result, tuple) else result
+            if result is not target:
+                target.copy_(result)
             return target
         return result
 

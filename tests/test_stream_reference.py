@@ -7,6 +7,7 @@ import reference as ref
 import torch
 from helpers import BASES, SEEDS, f32, ref_tensor
 
+import compile_rng
 from compile_rng import ops
 from compile_rng.cpu_kernel import philox_words
 
@@ -224,3 +225,25 @@ def test_normal_batches_and_tails_match_reference(base):
     expected = torch.tensor([ref.normal_std(seed, (base + 250 * r + 2 * c) % 2**64) for r in range(8) for c in range(125)],
                             dtype=torch.float64)
     assert (strided.double().flatten() - expected).abs().max() < 2e-4
+
+
+@pytest.mark.parametrize("op", ["uniform_", "normal_"])
+def test_eager_in_place_fill_equals_the_functional_op(op):
+    # contiguous float32 targets are filled in place by the C kernel; others take the
+    # functional op and a copy: both must give the functional op's values
+    from compile_rng import tracker
+
+    base = torch.zeros(6, 40)
+    targets = {"contiguous": base[:3], "strided": base[3:, ::2], "float64": torch.zeros(3, 40, dtype=torch.float64)}
+    for name, target in targets.items():
+        compile_rng.manual_seed(31)
+        ptr = target.data_ptr()
+        with tracker.eager_stream():
+            getattr(target, op)()
+        size = list(target.shape)
+        strides = [size[1], 1]
+        key = ops.make_key(31, 0)
+        want = (ops.uniform(key, 0, size, strides, 0.0, 1.0, target.dtype) if op == "uniform_"
+                else ops.normal(key, 0, size, strides, 0.0, 1.0, target.dtype))
+        assert torch.equal(target, want) and target.data_ptr() == ptr, name
+    assert torch.equal(base[3:, 1::2], torch.zeros(3, 20))  # the strided fill touched only its view
