@@ -38,10 +38,10 @@ def _warm_seconds(fn, model, repeat: int) -> float:
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
     import warnings
 
+    from llama_init import init_weights, parallel_model
     from torch.distributed.tensor import init_device_mesh
 
     import compile_rng
-    from llama_init import init_weights, parallel_model
 
     warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
     torch.set_num_threads(1)

@@ -11,9 +11,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo_ranks import spawn
 
 import compile_rng
-from gloo_ranks import spawn
+
 
 @contextmanager
 def warnings_as_errors():
