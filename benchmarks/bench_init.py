@@ -26,7 +26,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
-from llama_init import Transformer, init_weights  # noqa: E402
+from llama_init import BENCH_MODEL_ARGS, Transformer, add_model_args, build, init_weights  # noqa: E402
 
 
 def init_normal(model: Transformer) -> None:
@@ -53,7 +53,7 @@ def timed(fn, model, repeat: int) -> tuple[float, float]:
 
 def first_compile(args: argparse.Namespace) -> dict:
     """This process's first call of the one-graph init: total, backend, pass seconds."""
-    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.hidden)
+    model = build(meta=False, args=args)
     init = compile_rng.init(init_normal)
     start = time.perf_counter()
     init(model)
@@ -71,23 +71,16 @@ def compile_times(args: argparse.Namespace) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        argv = [sys.executable, __file__, "--first-compile", *(f"--{k}={getattr(args, k)}" for k in MODEL_ARGS)]
+        argv = [sys.executable, __file__, "--first-compile", *(f"--{k}={getattr(args, k)}" for k in BENCH_MODEL_ARGS)]
         for run in ("cold", "warm"):
             result = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
             out[run] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
 
 
-MODEL_ARGS = ("dim", "layers", "heads", "hidden", "vocab")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, BENCH_MODEL_ARGS)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default="bench-init.json")
     parser.add_argument("--first-compile", action="store_true", help=argparse.SUPPRESS)
@@ -96,7 +89,7 @@ def main() -> None:
         print(json.dumps(first_compile(args)))
         return
     warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
-    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.hidden)
+    model = build(meta=False, args=args)
     params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(0)
     cases = {

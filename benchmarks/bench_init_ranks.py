@@ -13,9 +13,7 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,15 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-
-def _warm_seconds(fn, model, repeat: int) -> float:
-    fn(model)  # first call: compile attempt / warm-up
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn(model)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+from bench_init import timed  # noqa: E402  (first call, then median of warm calls)
 
 
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
@@ -53,7 +43,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     row = {}
     for mode in ("tracker", "invariant"):
         dist.barrier()
-        row[mode] = _warm_seconds(compile_rng.init(init_weights, mode=mode), model, args.repeat)
+        row[mode] = timed(compile_rng.init(init_weights, mode=mode), model, args.repeat)[1]
     row["local_params"] = sum(p.to_local().numel() for p in model.parameters())
     results[(world, rank)] = row
     dist.barrier()
@@ -61,14 +51,10 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
 
 
 def main() -> None:
-    from llama_init import build, init_weights
+    from llama_init import BENCH_MODEL_ARGS, add_model_args, build, init_weights
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, BENCH_MODEL_ARGS)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", default="bench-init-ranks.json")
@@ -81,7 +67,7 @@ def main() -> None:
         mp.spawn(run_rank, args=(world, port, args, results), nprocs=world, join=True)
     torch.set_num_threads(1)
     with torch.no_grad():
-        eager = _warm_seconds(init_weights, build(meta=False, args=args), args.repeat)
+        eager = timed(init_weights, build(meta=False, args=args), args.repeat)[1]
     rows = {f"{w}x{r}": v for (w, r), v in sorted(results.items())}
     print(f"\nExample model init, FSDP over gloo ranks, 1 thread per rank (eager torch, 1 rank: {eager:.2f} s)")
     print(f"{'world':>5} {'rank':>4} {'local params':>13} {'tracker':>9} {'vs 1 rank':>9} {'invariant':>10} {'vs 1 rank':>9}")

@@ -197,13 +197,21 @@ def run(args: argparse.Namespace) -> dict:
     return dict(results)
 
 
+#: The model's size arguments and the example's (small) defaults.
+MODEL_ARGS = {"vocab": 256, "dim": 64, "layers": 4, "heads": 4, "hidden": 192}
+#: The size the benchmarks use: 134M parameters.
+BENCH_MODEL_ARGS = {"vocab": 32000, "dim": 768, "layers": 12, "heads": 12, "hidden": 2048}
+
+
+def add_model_args(parser: argparse.ArgumentParser, defaults: dict[str, int] = MODEL_ARGS) -> None:
+    """``--vocab --dim --layers --heads --hidden`` (what :func:`build` reads)."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=192)
+    add_model_args(parser)
     return parser.parse_args(argv)
 
 
