@@ -43,7 +43,7 @@ class BackendConfig:
     mode: str = "tracker"
     inner: str = "inductor"
     collect_unsupported: bool = False  # explain(): list unsupported ops instead of raising
-    verify: bool = False  # check that all ranks agree before every call (verify.py)
+    verify: Any = False  # True or a DeviceMesh / ProcessGroup: check that ranks agree before every call (verify.py)
 
 
 class _AdvanceFn:
@@ -196,10 +196,14 @@ class Backend:
 
         check = verify.enabled(self.config.verify)
         graph_signature = verify.signature(plan)
+        groups = []
 
         def run(*args):
             if check:
-                verify.check(plan.name, *state.get_state(), graph_signature)
+                if not groups:  # the process groups exist once the graph runs
+                    meshes = list({id(op.mesh): op.mesh for op in plan.ops if op.mesh is not None}.values())
+                    groups.extend(verify.groups_of(meshes, self.config.verify))
+                verify.check(plan.name, *state.get_state(), graph_signature, groups)
             seed, offset = state.advance(advance(args))
             with tracker.graph_call():
                 return compiled(*args, make_key(seed, offset))
@@ -210,7 +214,7 @@ class Backend:
         return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r})"
 
 
-def backend(mode: str = "tracker", inner: str = "inductor", verify: bool = False) -> Backend:
+def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False) -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
     ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
@@ -219,8 +223,11 @@ def backend(mode: str = "tracker", inner: str = "inductor", verify: bool = False
     ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging). The returned
     object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
     the total advance and the graph code after the pass. ``verify=True`` (or the
-    environment variable ``COMPILE_RNG_VERIFY=1``) checks before every call that all
-    ranks agree on seed, offset and graph, and raises on every rank if not.
+    environment variable ``COMPILE_RNG_VERIFY=1``) checks before every call that the
+    ranks that run the graph (those of its DTensor ops' meshes; the default group for a
+    graph with none) agree on seed, offset and graph, and raises on every one if not;
+    ``verify=mesh`` (or a process group) names the ranks, as a pipeline stage must for
+    a graph on plain tensors.
     """
     if mode not in tracker.MODES:
         raise ValueError(f"compile_rng.backend: mode must be one of {tracker.MODES}, got {mode!r}")

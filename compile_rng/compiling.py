@@ -26,7 +26,7 @@ def compile(
     *,
     mode: str = "tracker",
     inner: str = "inductor",
-    verify: bool = False,
+    verify: Any = False,
     **torch_compile_kwargs: Any,
 ) -> Any:
     """``torch.compile`` with ``compile_rng.backend(mode, inner, verify)`` in which every

@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from . import tracker
+from . import state, tracker
 from .backend import backend
 from .fqn_streams import fqn_streams, modules_in
+
+
+_COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 def init(
@@ -22,6 +25,7 @@ def init(
     inner: str = "inductor",
     compile: bool | str = "auto",
     key: str | None = None,
+    seed: int | None = None,
 ) -> Any:
     """Decorate a function that initializes modules or tensors (``model.init_weights``,
     a ``reset_parameters`` loop, ``nn.init.*`` calls).
@@ -43,6 +47,12 @@ def init(
     program order (:mod:`compile_rng.fqn_streams`), so a pipeline stage that initializes
     only its layers gets their single-device values with no seed checkpoint and no
     messages between stages. It runs eagerly (the per-name seeds are host values).
+
+    ``seed``: draw from the stream ``(seed, 0)`` (or, with ``key="fqn"``, from the per-name
+    streams derived from ``seed``) whatever the current state, and leave the state as it
+    was. Without it the current state's seed is used. Pass it when the training stack
+    seeds ranks differently (pipeline stages seeded with ``seed + pp_rank`` would
+    otherwise derive different per-name streams and defeat ``key="fqn"``).
     """
     if mode not in tracker.MODES:
         raise ValueError(f"compile_rng.init: mode must be one of {tracker.MODES}, got {mode!r}")
@@ -52,6 +62,8 @@ def init(
         raise ValueError(f"compile_rng.init: key must be None or 'fqn', got {key!r}")
     if key == "fqn" and compile is True:
         raise ValueError("compile_rng.init: key='fqn' runs eagerly; drop compile=True")
+    if seed is not None:
+        state.check_uint64("seed", seed)
 
     def decorate(f: Callable) -> Callable:
         be = backend(mode=mode, inner=inner)
@@ -61,14 +73,18 @@ def init(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal use_graph
-            with tracker.mode(mode), torch.no_grad():
+            with tracker.mode(mode), torch.no_grad(), _stream_seed(seed if key is None else None):
                 if use_graph:
+                    before = state.get_state()
                     try:
                         return compiled(*args, **kwargs)
-                    # Raised while tracing or compiling, before anything ran: Dynamo could not
-                    # capture one graph, or the C++ compiler failed on it (gcc 12 crashes on
-                    # the single kernel Inductor makes of a whole model's normal_ init).
-                    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
+                    # Any failure to compile: Dynamo could not capture one graph, hit its
+                    # recompile limit (a helper called on tensors of many meshes or layouts),
+                    # or the C++ compiler failed (gcc 12 crashes on the single kernel Inductor
+                    # makes of a whole model's normal_ init). The eager run starts from the
+                    # state the call began with, so it draws what the graph would have.
+                    except _COMPILE_FAILURES as e:
+                        state.set_state(*before)
                         if compile is True:
                             raise RuntimeError(
                                 f"compile_rng.init(compile=True): {f.__qualname__} does not compile as one "
@@ -80,8 +96,9 @@ def init(
                             stacklevel=2,
                         )
                         use_graph = False
-                streams = fqn_streams(modules_in(args, kwargs)) if key == "fqn" else contextlib.nullcontext()
-                with streams, tracker.eager_stream():
+                streams = fqn_streams(modules_in(args, kwargs), seed) if key == "fqn" else contextlib.nullcontext()
+                # The name streams' mode sits on top: it picks the stream, then the op draws.
+                with tracker.eager_stream(), streams:
                     return f(*args, **kwargs)
 
         run.backend = be
@@ -89,3 +106,17 @@ def init(
         return run
 
     return decorate(fn) if fn is not None else decorate
+
+
+@contextlib.contextmanager
+def _stream_seed(seed: int | None) -> Iterator[None]:
+    """Draw from ``(seed, 0)`` inside the block and restore the state after it."""
+    if seed is None:
+        yield
+        return
+    saved = state.get_state()
+    state.set_state(seed, 0)
+    try:
+        yield
+    finally:
+        state.set_state(*saved)

@@ -141,7 +141,9 @@ def _(key, offset, size, strides, low, high, dtype):
 
 
 def _writable(out: torch.Tensor, size: Sequence[int]) -> bool:
-    return out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous() and list(out.shape) == list(size)
+    # Only real storage: a tensor subclass (LocalTensor, fake, functional) has no data
+    # pointer of its own and takes the functional op plus copy_.
+    return type(out) in (torch.Tensor, torch.nn.Parameter) and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous() and list(out.shape) == list(size)
 
 
 def uniform_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],

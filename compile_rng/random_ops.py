@@ -212,12 +212,52 @@ INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
 
 
 def is_random(op: object) -> bool:
-    """Whether ``op`` is an aten overload that draws from a generator."""
+    """Whether ``op`` is an aten overload that may draw from a generator."""
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
+# The ``nondeterministic_seeded`` tag says "may be random", not "is random for these
+# arguments": a fused attention or RNN kernel draws only for its dropout, which these
+# arguments switch off (SDPA at ``dropout_p=0``, an LSTM with ``dropout=0`` or ``train=False``).
+_NO_DROPOUT = {"dropout_p": 0.0, "dropout": 0.0, "train": False, "training": False}
+
+
+def draws(op: torch._ops.OpOverload, kw: dict) -> bool:
+    """Whether a call of random-tagged ``op`` with normalized arguments ``kw`` draws."""
+    return not any(name in kw and kw[name] == off for name, off in _NO_DROPOUT.items())
+
+
+# Why a random op has no counter-based form here, and what to do instead; the default
+# row covers the samplers (poisson, gamma, multinomial, randperm, ...).
+_FIXES = {
+    "_scaled_dot_product_flash_attention": "a fused attention kernel draws its own dropout mask",
+    "_scaled_dot_product_efficient_attention": "a fused attention kernel draws its own dropout mask",
+    "_scaled_dot_product_cudnn_attention": "a fused attention kernel draws its own dropout mask",
+    "_scaled_dot_product_fused_attention_overrideable": "a fused attention kernel draws its own dropout mask",
+    "_scaled_dot_product_attention_math_for_mps": "a fused attention kernel draws its own dropout mask",
+    "_flash_attention_forward": "a fused attention kernel draws its own dropout mask",
+    "_efficient_attention_forward": "a fused attention kernel draws its own dropout mask",
+    "_fused_dropout": "the fused CUDA dropout kernel draws from the device generator",
+    "lstm": "the fused RNN kernel draws the dropout between its layers",
+    "gru": "the fused RNN kernel draws the dropout between its layers",
+    "rnn_tanh": "the fused RNN kernel draws the dropout between its layers",
+    "rnn_relu": "the fused RNN kernel draws the dropout between its layers",
+    "_cudnn_rnn": "the fused RNN kernel draws the dropout between its layers",
+    "miopen_rnn": "the fused RNN kernel draws the dropout between its layers",
+}
+_FIX_TEXT = {
+    "a fused attention kernel draws its own dropout mask": (
+        "with dropout_p > 0 use the math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH); "
+        "CPU picks it by itself), whose dropout is rewritten; dropout_p=0 needs nothing"
+    ),
+    "the fused CUDA dropout kernel draws from the device generator": "call F.dropout, whose native_dropout is rewritten",
+    "the fused RNN kernel draws the dropout between its layers": (
+        "set dropout=0 and put nn.Dropout between single-layer RNN modules, or run it in eval mode"
+    ),
+}
+
+
 def unsupported(op: torch._ops.OpOverload) -> NotImplementedError:
-    return NotImplementedError(
-        f"compile_rng: random op {op} has no counter-based form; move it out of the "
-        "compiled region (torch.compiler.disable) or out of the DTensor program"
-    )
+    why = _FIXES.get(op._opname, "it has no counter-based form")
+    fix = _FIX_TEXT.get(why, "move it out of the compiled region (torch.compiler.disable) or out of the DTensor program")
+    return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")

@@ -16,9 +16,10 @@ UINT64 = 2**64
 
 _lock = threading.Lock()
 _cpu_state: list[int] = [0, 0]
+_seedings = [0]  # how many times manual_seed ran: rank-agreement checks restart with each
 
 
-def _check_uint64(name: str, value: object) -> int:
+def check_uint64(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"compile_rng: {name} must be an int in [0, 2**64), got {value!r}")
     if not 0 <= value < UINT64:
@@ -36,11 +37,17 @@ def _cuda_generator() -> torch.Generator:
 
 def manual_seed(seed: int) -> None:
     """Restart every device's stream at ``(seed, 0)``. ``seed`` is a full uint64."""
-    seed = _check_uint64("seed", seed)
+    seed = check_uint64("seed", seed)
     with _lock:
         _cpu_state[:] = [seed, 0]
+        _seedings[0] += 1
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def seedings() -> int:
+    """How many times :func:`manual_seed` has run in this process."""
+    return _seedings[0]
 
 
 def get_state(device: str | torch.device = "cpu") -> tuple[int, int]:
@@ -57,8 +64,8 @@ def get_state(device: str | torch.device = "cpu") -> tuple[int, int]:
 
 def set_state(seed: int, offset: int, device: str | torch.device = "cpu") -> None:
     """Set ``device``'s stream to ``(seed, offset)``; both uint64."""
-    seed = _check_uint64("seed", seed)
-    offset = _check_uint64("offset", offset)
+    seed = check_uint64("seed", seed)
+    offset = check_uint64("offset", offset)
     kind = _device_type(device)
     if kind == "cpu":
         with _lock:

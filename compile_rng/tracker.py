@@ -21,18 +21,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._random import OffsetBasedRNGTracker
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from . import fqn_streams, state
+from . import state, verify
 from . import ops as cr_ops
-from .random_ops import INPLACE, RULES, RandomCall, is_random, unsupported
+from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
 from .spmd import Sharding, contiguous_strides
 from .stream import ceil4
 
@@ -66,6 +68,7 @@ class Site:
     start: Any  # SymInt/int: offset of the rank's first counter within the op's range
     advance: Any  # SymInt/int: counters the op reserves
     coords: tuple  # the runtime mesh coordinate (SymInts) ``start`` is a function of
+    mesh: Any = None  # the DeviceMesh (verify=True checks over the ranks that run the graph)
 
 _sites: dict[int, Site] = {}
 _site_ids = itertools.count()
@@ -210,15 +213,16 @@ class RandomOpMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if functional not in RULES:
             if is_random(func):
-                if _normalize(func, args, kwargs).get("generator") is not None:
+                kw = _normalize(func, args, kwargs)
+                if kw.get("generator") is not None:
                     raise _generator_error(func)
-                raise unsupported(func)
+                if draws(func, kw):
+                    raise unsupported(func)
             return func(*args, **kwargs)
         kw = _normalize(func, args, kwargs)
         if kw.get("generator") is not None:
             raise _generator_error(func)
         size, dtype = _out_shape_dtype(func, kw)
-        fqn_streams.select_for(kw.get("input"))
         key, offset, strides = self.counters(func, size)
         log = _counter_log.get()
         if log is not None:
@@ -311,24 +315,47 @@ def _coordinates(mesh: Any, symbolic: bool) -> list:
     return list(coords)
 
 
-class Tracker:
-    """The object installed as ``torch.distributed.tensor._random._rng_tracker``."""
+class Tracker(OffsetBasedRNGTracker):
+    """The object installed as ``torch.distributed.tensor._random._rng_tracker``.
 
-    distribute_region_enabled = True
+    It must be an ``OffsetBasedRNGTracker``: for CUDA DTensors DTensor's dispatch
+    (torch 2.13-2.15 ``_dispatch.py``) skips ``_distribute_region``, asserts that type
+    and calls the inherited ``_compute_rng_offsets(spec)``. Accelerator meshes keep
+    torch's own semantics: their regions go to a stock ``OffsetBasedRNGTracker``.
+    """
+
+    # Not OffsetBasedRNGTracker.__init__: it refuses CPU and syncs a device generator.
+    def __init__(self) -> None:
+        self._device = torch.device("cpu")
+        self._device_handle = None
+        self._use_distribute_region = True
+        self._fallbacks: dict[str, Any] = {}
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
-    def __init__(self) -> None:
-        self._fallbacks: dict[str, Any] = {}
-
     @torch._dynamo.disable
     @contextlib.contextmanager
     def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
         if spec.mesh.device_type != "cpu":
-            # Accelerator meshes keep torch's own tracker (its generator is Philox already).
-            with self._fallback(spec.mesh)._distribute_region(spec, generator):
+            fallback = self._fallback(spec.mesh)
+            fallback.distribute_region_enabled = self.distribute_region_enabled
+            with fallback._distribute_region(spec, generator):
                 yield
             return
+        if not self.distribute_region_enabled:
+            yield
+            return
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+        if enabled_local_tensor_mode():
+            # LocalTensorMode simulates every rank in one process; the coordinate here would
+            # be the process's rank for all of them (identical shards), and torch's own
+            # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
+            raise NotImplementedError(
+                "compile_rng: DTensor random ops under LocalTensorMode (every rank simulated in one "
+                "process) are not supported on CPU meshes; simulate ranks with the fake process group "
+                "(one process acting as each rank) or run real ranks"
+            )
         sharding = Sharding.from_spec(spec)
         if generator is not None:
             raise NotImplementedError(
@@ -349,13 +376,15 @@ class Tracker:
                 "DTensor random ops on a CPU mesh need torch.compile(..., backend='compile_rng')"
             )
         coords = _coordinates(spec.mesh, symbolic=tracing)
+        if not tracing:
+            verify.check_mesh_once(spec.mesh)
         device = torch.device(spec.mesh.device_type)
 
         def counters(func, local_shape):
             offset, strides = sharding.layout(mode, coords, local_shape)
             if tracing:
                 site_id = next(_site_ids)
-                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance(), tuple(coords))
+                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance(), tuple(coords), spec.mesh)
                 return pending_key(site_id, device), offset, strides
             seed, base = state.advance(int(sharding.advance()), device)
             return cr_ops.make_key(seed, base, device), offset, strides
@@ -363,9 +392,7 @@ class Tracker:
         with RandomOpMode(counters):
             yield
 
-    def _fallback(self, mesh: Any) -> Any:
-        from torch.distributed.tensor._random import OffsetBasedRNGTracker
-
+    def _fallback(self, mesh: Any) -> OffsetBasedRNGTracker:
         if mesh.device_type not in self._fallbacks:
             self._fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
         return self._fallbacks[mesh.device_type]
@@ -412,6 +439,8 @@ def _local_operand(op_call, target: DTensor, a: Any) -> Any:
 
 def _inplace_handler(op_call, args, kwargs):
     target = args[0]
+    if target.device_mesh.device_type != "cpu":
+        return _stock_dispatch(op_call, args, kwargs)
     if target.device_mesh.get_coordinate() is None:
         # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
         # nothing and does not advance its state.
@@ -422,6 +451,22 @@ def _inplace_handler(op_call, args, kwargs):
     with dtensor_random._rng_tracker._distribute_region(target._spec):
         op_call(*local_args, **kwargs)
     return target
+
+
+_stock_lock = threading.RLock()
+
+
+def _stock_dispatch(op_call, args, kwargs):
+    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
+    (accelerator meshes keep stock semantics). DTensor's C++ entry point reads the
+    handler table on every op, so the handler steps out of it for this one call."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with _stock_lock:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
 
 
 _TRACKER = Tracker()
@@ -435,6 +480,21 @@ def install() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _UNROUTED:
         handlers[op] = _inplace_handler
+    if not getattr(dtensor_random.is_rng_supported_mesh, "_compile_rng", False):
+        dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh)
+
+
+def _rng_supported_mesh(stock):
+    # DTensor's manual_seed(seed, mesh) - what pipeline code calls per stage - and its
+    # init helpers ask this before seeding; with compile_rng serving CPU meshes the answer
+    # there is yes, so the stream is seeded (and a rank outside the mesh gets torch's error).
+    def is_rng_supported_mesh(device_mesh) -> bool:
+        if device_mesh.device_type == "cpu" and installed():
+            return True
+        return stock(device_mesh)
+
+    is_rng_supported_mesh._compile_rng = True
+    return is_rng_supported_mesh
 
 
 def installed() -> bool:

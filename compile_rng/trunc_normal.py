@@ -23,7 +23,7 @@ its first in-range draw either way).
 Installed as ``torch.nn.init.trunc_normal_`` on import. It takes over for DTensors on
 CPU meshes and for plain tensors inside compile_rng's stream (``@compile_rng.init``,
 ``eager_stream``); anything else (torch's generator, other dtypes, narrow truncation,
-a ``generator``, non-contiguous local tensors, ranks outside the mesh) runs torch's
+a ``generator``, ranks outside the mesh) runs torch's
 own implementation.
 """
 
@@ -63,7 +63,6 @@ def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, 
         and tensor.dtype == torch.float32
         and tensor.device.type == "cpu"
         and not tensor.is_meta
-        and local.is_contiguous()
         and a - 2 * std <= mean <= b + 2 * std  # else torch warns; let it
         and _mass(mean, std, a, b) > 0.3
         and (not isinstance(tensor, DTensor) or tensor.device_mesh.get_coordinate() is not None)
@@ -115,7 +114,8 @@ def trunc_normal_(
         (draw,) = log
         seed, base = (int(v) % state.UINT64 for v in draw.key.tolist())
         advance = (state.get_state(draw.key.device)[1] - base) % state.UINT64
-        flat = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).view(-1)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        flat = local.reshape(-1)  # a copy for a non-contiguous view (a chunk of a fused weight)
         low_value, high_value = torch.aminmax(flat) if flat.numel() else (lo, hi)
         if low_value >= lo and high_value <= hi:
             rejected = torch.empty(0, dtype=torch.int64)
@@ -130,6 +130,8 @@ def trunc_normal_(
             flat[rejected] = values
             still = (values < lo) | (values > hi)
             rejected, counters = rejected[still], counters[still]
+        if k and flat.data_ptr() != local.data_ptr():
+            local.copy_(flat.view(local.shape))
     return tensor
 
 

@@ -29,7 +29,7 @@ from torch import fx
 from torch.utils._sympy.functions import FloorDiv
 
 from compile_rng import tracker
-from compile_rng.random_ops import RULES, RandomCall, is_random, unsupported
+from compile_rng.random_ops import RULES, RandomCall, draws, is_random, unsupported
 from compile_rng.spmd import Sharding, contiguous_strides
 
 from .sym_emit import SymEmitter, emit_binary
@@ -53,6 +53,7 @@ class RewrittenOp:
     sharding: Sharding | None = None  # None for plain tensors
     start: sympy.Expr = sympy.Integer(0)  # the rank's first counter within the range
     coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
+    mesh: Any = None  # the DeviceMesh of a DTensor op
 
 
 @dataclass
@@ -109,11 +110,8 @@ class _GraphCall(RandomCall):
     """A plain-tensor random op node, replaced by nodes inserted before it."""
 
     def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter):
-        from torch.fx.operator_schemas import normalize_function
-
         self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
-        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        self.kw = dict(normalized.kwargs)
+        self.kw = _normalized(node)
         val = _first_val(node)
         self.dtype = val.dtype
         self.shape = [_expr(s) for s in val.shape]
@@ -162,6 +160,19 @@ def find_key(graph: fx.Graph) -> fx.Node:
             "was this graph compiled through compile_rng.backend()?"
         )
     return key
+
+
+def _normalized(node: fx.Node) -> dict:
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs) if normalized is not None else dict(node.kwargs)
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether ``node`` is a random op that draws for its arguments (SDPA at
+    ``dropout_p=0`` carries the random tag but does not)."""
+    return is_random(node.target) and (node.target in RULES or draws(node.target, _normalized(node)))
 
 
 def _check_plain(node: fx.Node, key: fx.Node) -> None:
@@ -248,7 +259,7 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
 
 
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
-    sites = [n for n in graph.nodes if is_random(n.target) or n.target is pending_key]
+    sites = [n for n in graph.nodes if _draws(n) or n.target is pending_key]
     if not sites:
         _dropout_backward_from_stream(graph)
         return
@@ -275,7 +286,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 record = RewrittenOp(
                     info.op, str(new.target), new.name, source_of(new), tuple(_expr(s) for s in val.shape),
                     val.dtype, base, advance, info.mode, info.sharding, _expr(info.start),
-                    tuple(_expr(c) for c in info.coords),
+                    tuple(_expr(c) for c in info.coords), info.mesh,
                 )
             else:
                 call = _GraphCall(node, key, base_value, emitter)

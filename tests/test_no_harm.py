@@ -1,0 +1,132 @@
+"""Importing compile_rng leaves DTensor random ops on accelerator meshes as stock torch
+has them. No GPU here: these tests pin the branch logic DTensor's dispatch runs for
+CUDA (torch 2.13-2.15 ``torch/distributed/tensor/_dispatch.py``):
+
+* no ``generator=``, a CUDA local tensor: ``assert isinstance(_rng_tracker,
+  OffsetBasedRNGTracker)`` then ``_rng_tracker._compute_rng_offsets(spec)`` - emulated
+  here call for call on specs of real meshes;
+* otherwise ``_rng_tracker._distribute_region(spec, generator)`` - for a non-CPU mesh it
+  must be torch's own ``OffsetBasedRNGTracker`` region;
+* the op handlers DTensor consults first, on every device - for a non-CPU mesh they must
+  hand the op to DTensor's stock dispatch (checked on a ``meta`` mesh, the one non-CPU
+  device type this machine has).
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed.tensor._random as dtensor_random
+from dtensor_reference import ceil4, fake_rank, local_zeros
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import compile_rng
+from compile_rng import tracker
+
+
+def test_tracker_is_an_offset_based_tracker_after_import_and_seeding():
+    torch.manual_seed(1)
+    assert isinstance(dtensor_random._rng_tracker, dtensor_random.OffsetBasedRNGTracker)
+    compile_rng.manual_seed(2)
+    assert isinstance(dtensor_random._rng_tracker, dtensor_random.OffsetBasedRNGTracker)
+    assert dtensor_random._rng_tracker.distribute_region_enabled
+
+
+# (global shape, placements, rank) -> torch's (start, end) derived by hand:
+# start = ceil4(shard_linear_idx * numel(first shard)), end = ceil4(numel(global))
+OFFSET_CASES = [
+    ((8, 6), [Shard(0)], 3, (ceil4(3 * 2 * 6), 48)),
+    ((10, 3), [Shard(0)], 3, (ceil4(3 * 3 * 3), ceil4(30))),
+    ((5, 6), [Shard(1)], 2, (ceil4(2 * 5 * 2), 32)),
+    ((7, 7), [Replicate()], 1, (0, ceil4(49))),
+]
+
+
+@pytest.mark.parametrize("shape,placements,rank,expected", OFFSET_CASES)
+def test_cuda_dispatch_branch_gets_torchs_offsets(shape, placements, rank, expected):
+    with fake_rank(rank, 4):
+        mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+        spec = local_zeros(shape, mesh, placements)._spec
+        rng_tracker = dtensor_random._rng_tracker
+        assert isinstance(rng_tracker, dtensor_random.OffsetBasedRNGTracker)  # the CUDA branch's assert
+        assert tuple(int(v) for v in rng_tracker._compute_rng_offsets(spec)) == expected
+
+
+class _RecordingTracker:
+    distribute_region_enabled = True
+
+    def __init__(self):
+        self.entered = []
+
+    @contextlib.contextmanager
+    def _distribute_region(self, spec, generator=None):
+        self.entered.append((spec, generator))
+        yield
+
+
+def test_accelerator_mesh_regions_go_to_torchs_tracker(monkeypatch):
+    with fake_rank(0, 2):
+        mesh = DeviceMesh("meta", [0, 1])
+        spec = DTensor.from_local(torch.empty(2, 3, device="meta"), mesh, [Shard(0)])._spec
+        stock = _RecordingTracker()
+        monkeypatch.setitem(dtensor_random._rng_tracker._fallbacks, "meta", stock)
+        generator = torch.Generator()
+        before = compile_rng.get_state()
+        with dtensor_random._rng_tracker._distribute_region(spec, generator):
+            x = torch.rand(3)  # the region installs no compile_rng mode: torch's generator draws
+        assert stock.entered == [(spec, generator)]
+        assert compile_rng.get_state() == before and x.shape == (3,)
+
+
+def _outcome(fn):
+    try:
+        out = fn()
+    except Exception as e:  # stock DTensor refuses some of these ops: that is the behaviour to keep
+        return ("raises", type(e), str(e).splitlines()[0])
+    return ("returns", type(out), out.placements, out.to_local().shape)
+
+
+def test_op_handlers_hand_accelerator_meshes_to_stock_dispatch(monkeypatch):
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = dict(handlers)
+    calls = {
+        "exponential_": lambda t: t.exponential_(),
+        "log_normal_": lambda t: t.log_normal_(),
+        "geometric_": lambda t: t.geometric_(0.5),
+        "cauchy_": lambda t: t.cauchy_(),
+        "random_": lambda t: t.random_(0, 10),
+        "bernoulli_": lambda t: t.bernoulli_(torch.full_like(t, 0.5)),
+    }
+    with fake_rank(1, 2):
+        mesh = DeviceMesh("meta", [0, 1])
+
+        def run_all():
+            return {name: _outcome(lambda: call(DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [Shard(0)])))
+                    for name, call in calls.items()}
+
+        with monkeypatch.context() as m:  # stock torch: compile_rng's handlers removed
+            for op in tracker._UNROUTED:
+                m.delitem(handlers, op)
+            stock = run_all()
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("compile_rng's region ran for an accelerator mesh")
+
+        monkeypatch.setattr(dtensor_random._rng_tracker, "_distribute_region", refuse)
+        assert run_all() == stock
+        assert any(o[0] == "returns" for o in stock.values())
+    assert handlers == mine  # each handler stepped back in after its call
+
+
+def test_op_handlers_still_serve_cpu_meshes():
+    with fake_rank(0, 2):
+        mesh = DeviceMesh("cpu", [0, 1])
+        t = local_zeros((4, 3), mesh, [Shard(0)])
+        compile_rng.manual_seed(9)
+        t.exponential_()
+        assert compile_rng.get_state() == (9, 12)  # compile_rng's stream advanced by ceil4(12)
+
+
+def test_tracker_module_keeps_the_fallback_type():
+    assert issubclass(tracker.Tracker, dtensor_random.OffsetBasedRNGTracker)
