@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-all bench load clean
+.PHONY: setup demo test test-slow test-all bench load clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow"
+
+test-slow: setup
+	$(VENV)/bin/pytest -q -m slow
 
 test-all: setup
 	$(VENV)/bin/pytest -q

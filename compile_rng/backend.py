@@ -26,7 +26,7 @@ from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 from . import state, tracker, verify
 from .dump import write_plan
 from .ops import make_key
-from .random_ops import INPLACE, RULES
+from .random_ops import INPLACE, RULES, is_random
 
 INNERS = ("inductor", "aot_eager")
 
@@ -109,8 +109,13 @@ def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: R
         rewrite(joint)
         return default_partition(joint, joint_inputs, **kw)
 
+    # The random ops Inductor decomposes (rrelu's noise into uniform) are decomposed here
+    # too, so the pass sees the same random ops whichever compiler follows it.
+    random_decompositions = {op: fn for op, fn in _decompositions().items() if is_random(op)}
     with _caches_off():
-        return aot_autograd(fw_compiler=fw, bw_compiler=fw, partition_fn=partition)(gm, inputs)
+        return aot_autograd(
+            fw_compiler=fw, bw_compiler=fw, partition_fn=partition, decompositions=random_decompositions
+        )(gm, inputs)
 
 
 def _rewrite_module(gm: fx.GraphModule, plan: RngPlan) -> None:

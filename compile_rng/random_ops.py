@@ -227,37 +227,37 @@ def draws(op: torch._ops.OpOverload, kw: dict) -> bool:
     return not any(name in kw and kw[name] == off for name, off in _NO_DROPOUT.items())
 
 
-# Why a random op has no counter-based form here, and what to do instead; the default
-# row covers the samplers (poisson, gamma, multinomial, randperm, ...).
+# Why a random op has no counter-based form here, and what to do instead, per op family;
+# the default covers the samplers (poisson, gamma, multinomial, randperm, ...).
+_FUSED_ATTENTION = (
+    "a fused attention kernel draws its own dropout mask",
+    "with dropout_p > 0 use the math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH); "
+    "CPU picks it by itself), whose dropout is rewritten; dropout_p=0 needs nothing",
+)
+_FUSED_RNN = (
+    "the fused RNN kernel draws the dropout between its layers",
+    "set dropout=0 and put nn.Dropout between single-layer RNN modules, or run it in eval mode",
+)
 _FIXES = {
-    "_scaled_dot_product_flash_attention": "a fused attention kernel draws its own dropout mask",
-    "_scaled_dot_product_efficient_attention": "a fused attention kernel draws its own dropout mask",
-    "_scaled_dot_product_cudnn_attention": "a fused attention kernel draws its own dropout mask",
-    "_scaled_dot_product_fused_attention_overrideable": "a fused attention kernel draws its own dropout mask",
-    "_scaled_dot_product_attention_math_for_mps": "a fused attention kernel draws its own dropout mask",
-    "_flash_attention_forward": "a fused attention kernel draws its own dropout mask",
-    "_efficient_attention_forward": "a fused attention kernel draws its own dropout mask",
-    "_fused_dropout": "the fused CUDA dropout kernel draws from the device generator",
-    "lstm": "the fused RNN kernel draws the dropout between its layers",
-    "gru": "the fused RNN kernel draws the dropout between its layers",
-    "rnn_tanh": "the fused RNN kernel draws the dropout between its layers",
-    "rnn_relu": "the fused RNN kernel draws the dropout between its layers",
-    "_cudnn_rnn": "the fused RNN kernel draws the dropout between its layers",
-    "miopen_rnn": "the fused RNN kernel draws the dropout between its layers",
-}
-_FIX_TEXT = {
-    "a fused attention kernel draws its own dropout mask": (
-        "with dropout_p > 0 use the math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH); "
-        "CPU picks it by itself), whose dropout is rewritten; dropout_p=0 needs nothing"
+    **dict.fromkeys(
+        [
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+            "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+            "_flash_attention_forward", "_flash_attention_forward_no_dropout_inplace", "_efficient_attention_forward",
+        ],
+        _FUSED_ATTENTION,
     ),
-    "the fused CUDA dropout kernel draws from the device generator": "call F.dropout, whose native_dropout is rewritten",
-    "the fused RNN kernel draws the dropout between its layers": (
-        "set dropout=0 and put nn.Dropout between single-layer RNN modules, or run it in eval mode"
-    ),
+    **dict.fromkeys(["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn"], _FUSED_RNN),
+    "_fused_dropout": ("the fused CUDA dropout kernel draws from the device generator", "call F.dropout, whose native_dropout is rewritten"),
 }
+_DEFAULT_FIX = (
+    "it has no counter-based form",
+    "move it out of the compiled region (torch.compiler.disable) or out of the DTensor program",
+)
 
 
 def unsupported(op: torch._ops.OpOverload) -> NotImplementedError:
-    why = _FIXES.get(op._opname, "it has no counter-based form")
-    fix = _FIX_TEXT.get(why, "move it out of the compiled region (torch.compiler.disable) or out of the DTensor program")
+    why, fix = _FIXES.get(op._opname, _DEFAULT_FIX)
     return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")

@@ -1,3 +1,4 @@
+import pytest
 """The benchmark script runs end to end on small sizes (asserts nothing about speed)."""
 
 import json
@@ -27,6 +28,7 @@ def test_bench_random_smoke(tmp_path):
 SMALL_MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--hidden", "96", "--vocab", "256", "--repeat", "1"]
 
 
+@pytest.mark.slow
 def test_bench_init_smoke(tmp_path):
     out = tmp_path / "init.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init.py"), *SMALL_MODEL, "--json", str(out)],
@@ -39,6 +41,7 @@ def test_bench_init_smoke(tmp_path):
         assert 0 < c["pass_s"] < c["backend_s"] < c["first_call_s"]
 
 
+@pytest.mark.slow
 def test_bench_init_ranks_smoke(tmp_path):
     out = tmp_path / "ranks.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init_ranks.py"), *SMALL_MODEL, "--json", str(out)],

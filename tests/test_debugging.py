@@ -93,6 +93,7 @@ def _dump_worker(rank: int, world: int, out: str) -> None:
         torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager"))(x)
 
 
+@pytest.mark.slow
 def test_dump_on_real_ranks_writes_one_folder_per_rank(tmp_path):
     spawn(_dump_worker, 2, str(tmp_path))
     for rank in (0, 1):

@@ -68,7 +68,8 @@ def _worker(rank: int, world: int, inner: str, mesh_shape: tuple) -> None:
 
 @pytest.mark.parametrize(
     "world,inner,mesh_shape",
-    [(2, "inductor", (2,)), (4, "aot_eager", (4,)), (4, "aot_eager", (2, 2))],
+    [(2, "inductor", (2,)), pytest.param(4, "aot_eager", (4,), marks=pytest.mark.slow),
+     pytest.param(4, "aot_eager", (2, 2), marks=pytest.mark.slow)],
     ids=["2-ranks-inductor", "4-ranks-1d", "4-ranks-2d"],
 )
 def test_real_ranks(world, inner, mesh_shape):

@@ -4,6 +4,8 @@ and two pipeline stages, every parameter compared bitwise with the single-device
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
 import llama_init  # noqa: E402
@@ -11,6 +13,7 @@ import llama_init  # noqa: E402
 CONFIGS = ("tp", "fsdp", "fsdp_tp", "pp")
 
 
+@pytest.mark.slow
 def test_invariance_table():
     table = llama_init.run(llama_init.parse_args(["--dim", "32", "--hidden", "96", "--vocab", "64"]))["table"]
     for config in CONFIGS:

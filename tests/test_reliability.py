@@ -49,6 +49,7 @@ def _verify_worker(rank: int, world: int, scenario: str) -> None:
     assert expected[scenario] in message and bool(message) == bool(expected[scenario]), message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["agree", "seeds", "extra-op"])
 def test_verify_names_the_diverging_ranks_on_every_rank(scenario):
     spawn(_verify_worker, 2, scenario)
@@ -211,6 +212,7 @@ def _segments_worker(rank: int, world: int) -> None:
     assert not torch.equal(gathered[0][1], gathered[1][1])  # shards differ
 
 
+@pytest.mark.slow
 def test_real_ranks_eager_segments_stay_on_the_stream():
     spawn(_segments_worker, 2)
 
@@ -241,6 +243,7 @@ def _outside_sub_mesh_worker(rank: int, world: int) -> None:
         fn(w)
 
 
+@pytest.mark.slow
 def test_rank_outside_a_sub_mesh_skips_the_op_and_verify_reports_the_divergence():
     spawn(_outside_sub_mesh_worker, 2)
 
@@ -277,6 +280,7 @@ PROGRAM = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_same_seed_same_values_across_processes_threads_and_caches(tmp_path):
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
@@ -359,5 +363,6 @@ def _operand_layout_worker(rank: int, world: int) -> None:
         assert torch.equal(got, torch.full((2, 4), 1.0 if rank == 0 else 0.0)), (placement, got)
 
 
+@pytest.mark.slow
 def test_bernoulli_probabilities_in_another_layout_follow_the_target_shard_on_real_ranks():
     spawn(_operand_layout_worker, 2)

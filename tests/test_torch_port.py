@@ -155,6 +155,7 @@ def _worker(rank: int, world: int, which: str) -> None:
     {"1d": _port_1d, "2d": _port_2d}[which](rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["1d", "2d"])
 def test_port_on_4_gloo_ranks(which):
     spawn(_worker, 4, which)

@@ -93,5 +93,6 @@ def test_plain_tensors_outside_the_stream_keep_torchs_generator():
     assert torch.equal(a, _TORCH_TRUNC_NORMAL(torch.empty(100), std=0.5))
 
 
+@pytest.mark.slow
 def test_dtensors_on_real_ranks_match_torchs_loop_in_both_modes():
     spawn(_dtensor_worker, 2)

@@ -1,0 +1,105 @@
+"""The audit of every aten op torch tags ``nondeterministic_seeded`` (README table):
+each family is rewritten, decomposed into rewritten ops, not random for the arguments
+that switch its dropout off, or refused with an error that names the op and the fix.
+A family this table does not know (a newer torch) fails the first test."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compile_rng
+from compile_rng.random_ops import INPLACE, RULES, draws, unsupported
+
+aten = torch.ops.aten
+
+REWRITTEN = {
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "uniform", "uniform_", "normal",
+    "normal_", "bernoulli", "bernoulli_", "exponential", "exponential_", "log_normal", "log_normal_", "cauchy",
+    "cauchy_", "geometric", "geometric_", "native_dropout", "normal_functional", "random", "random_",
+}
+DECOMPOSED = {"dropout", "alpha_dropout", "rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_functional"}
+ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+    "_flash_attention_forward", "_efficient_attention_forward", "_flash_attention_forward_no_dropout_inplace",
+}
+RNN = {"lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn"}
+REFUSED = {"_fused_dropout", "poisson", "_standard_gamma", "multinomial", "randperm"}
+
+
+def tagged_families() -> dict[str, list]:
+    families: dict[str, list] = {}
+    for name in dir(aten):
+        packet = getattr(aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if torch.Tag.nondeterministic_seeded in op.tags:
+                families.setdefault(name, []).append(op)
+    return families
+
+
+def test_every_tagged_family_is_audited():
+    families = tagged_families()
+    audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | REFUSED
+    assert set(families) <= audited, sorted(set(families) - audited)
+    assert len(families) >= 48
+
+
+def test_rewritten_families_have_rules_for_their_functional_overloads():
+    for name in REWRITTEN:
+        ops = [op for op in tagged_families()[name] if not op._overloadname.endswith(("out", "generator"))]
+        ops = [op for op in ops if "generator" not in op._overloadname and op._overloadname != "Tensor"
+               or op in RULES]
+        assert ops and all(op in RULES or op in INPLACE for op in ops), (name, ops)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.dropout(x, 0.3, training=True),
+    lambda x: F.alpha_dropout(x, 0.3, training=True),
+    lambda x: F.rrelu(x, training=True),
+], ids=["dropout", "alpha_dropout", "rrelu"])
+def test_decomposed_families_land_on_the_stream(fn):
+    torch._dynamo.reset()
+    be = compile_rng.backend(inner="aot_eager")
+    x = torch.randn(4, 8) - 0.5
+    compile_rng.manual_seed(3)
+    first = torch.compile(fn, backend=be)(x)
+    assert compile_rng.get_state() == (3, 32)  # one stream draw of 32 counters
+    compile_rng.manual_seed(3)
+    assert torch.equal(torch.compile(fn, backend=be)(x), first)
+    assert all("compile_rng" in op.replacement for plan in be.plans for op in plan.ops)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION | RNN))
+def test_fused_kernels_are_random_only_with_their_dropout(name):
+    for op in tagged_families()[name]:
+        arguments = {a.name for a in op._schema.arguments}
+        switch = {"dropout_p", "dropout", "train", "training"} & arguments
+        if name == "_flash_attention_forward_no_dropout_inplace":
+            assert "dropout_p" in switch
+        assert switch, op
+        off = {"dropout_p": 0.0} if "dropout_p" in switch else {"dropout": 0.0}
+        assert not draws(op, off)
+        if "train" in switch:
+            assert not draws(op, {"dropout": 0.5, "train": False})
+        on = {"dropout_p": 0.1} if "dropout_p" in switch else {"dropout": 0.1, "train": True}
+        assert draws(op, on)
+        message = str(unsupported(op))
+        assert str(op) in message and ("math backend" in message or "nn.Dropout" in message), message
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_families_name_the_op_and_the_fix(name):
+    for op in tagged_families()[name]:
+        message = str(unsupported(op))
+        assert str(op) in message and ("F.dropout" in message or "out of the compiled region" in message)
+
+
+def test_refused_op_raises_when_compiled():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="aten.poisson.default: it has no counter-based form"):
+        torch.compile(lambda x: torch.poisson(x), backend=compile_rng.backend(inner="aot_eager"))(torch.ones(4))
