@@ -246,10 +246,15 @@ _FIXES = {
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
             "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
             "_flash_attention_forward", "_flash_attention_forward_no_dropout_inplace", "_efficient_attention_forward",
+            "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention",
+            "_fill_mem_eff_dropout_mask_",
         ],
         _FUSED_ATTENTION,
     ),
-    **dict.fromkeys(["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn"], _FUSED_RNN),
+    **dict.fromkeys(
+        ["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps", "_cudnn_init_dropout_state"],
+        _FUSED_RNN,
+    ),
     "_fused_dropout": ("the fused CUDA dropout kernel draws from the device generator", "call F.dropout, whose native_dropout is rewritten"),
 }
 _DEFAULT_FIX = (
