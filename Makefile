@@ -1,5 +1,7 @@
 # Fresh machine: `make demo` or `make test` creates .venv and installs everything.
+# Another torch: `make test VENV=.venv-215 TORCH=2.15.0` (CI does this for 2.15.0).
 VENV ?= .venv
+TORCH ?= 2.13.0
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
@@ -10,10 +12,13 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch's CPU wheel for the tested release; installing it first keeps pip from
-	# resolving "torch" to a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, at the tested release: 2.13.0 resolves to a CPU wheel where one is on
+	# local disk (these machines); elsewhere, and for 2.15.0, the registry's build comes
+	# with several GB of CUDA packages (it runs on CPU too). compile_rng's own install
+	# then leaves that torch as it is (it accepts torch>=2.13,<2.16); the check says so.
+	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $@
 
 demo: setup

@@ -220,10 +220,15 @@ def is_random(op: object) -> bool:
 # arguments": a fused attention or RNN kernel draws only for its dropout, which these
 # arguments switch off (SDPA at ``dropout_p=0``, an LSTM with ``dropout=0`` or ``train=False``).
 _NO_DROPOUT = {"dropout_p": 0.0, "dropout": 0.0, "train": False, "training": False}
+# Tagged, but never random: SDPA's backend choice, a nested-tensor softmax, and a cuDNN
+# attention kernel without dropout (torch 2.15).
+_NEVER_DRAWS = {"_fused_sdp_choice", "_nested_tensor_softmax_with_shape", "_cudnn_attention_forward_no_dropout_inplace"}
 
 
 def draws(op: torch._ops.OpOverload, kw: dict) -> bool:
     """Whether a call of random-tagged ``op`` with normalized arguments ``kw`` draws."""
+    if op._opname in _NEVER_DRAWS:
+        return False
     return not any(name in kw and kw[name] == off for name, off in _NO_DROPOUT.items())
 
 

@@ -33,13 +33,10 @@ ATTENTION = {
     "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention", "_fill_mem_eff_dropout_mask_",
 }
 RNN = {"lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps", "_cudnn_init_dropout_state"}
-# Samplers with no counter-based form, a CUDA-only fused dropout, and two tagged helpers
-# that never reach a compiled graph (SDPA's backend choice, a nested-tensor softmax):
-# each raises an error naming it if it does.
-REFUSED = {
-    "_fused_dropout", "poisson", "_standard_gamma", "multinomial", "randperm", "binomial", "_sample_dirichlet",
-    "_fused_sdp_choice", "_nested_tensor_softmax_with_shape",
-}
+# Samplers with no counter-based form and a CUDA-only fused dropout: an error naming the op.
+REFUSED = {"_fused_dropout", "poisson", "_standard_gamma", "multinomial", "randperm", "binomial", "_sample_dirichlet"}
+# Tagged but never random (left alone whatever the arguments).
+NOT_RANDOM = {"_fused_sdp_choice", "_nested_tensor_softmax_with_shape", "_cudnn_attention_forward_no_dropout_inplace"}
 
 
 def tagged_families() -> dict[str, list]:
@@ -58,7 +55,7 @@ def tagged_families() -> dict[str, list]:
 
 def test_every_tagged_family_is_audited():
     families = tagged_families()
-    audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | REFUSED
+    audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | REFUSED | NOT_RANDOM
     assert set(families) <= audited, sorted(set(families) - audited)
     assert len(families) >= 71  # torch 2.13
 
@@ -90,11 +87,9 @@ def test_decomposed_families_land_on_the_stream(fn):
 
 @pytest.mark.parametrize("name", sorted(ATTENTION | RNN))
 def test_fused_kernels_are_random_only_with_their_dropout(name):
-    for op in tagged_families()[name]:
+    for op in tagged_families().get(name, []):  # some families exist in one torch version only
         arguments = {a.name for a in op._schema.arguments}
         switch = {"dropout_p", "dropout", "train", "training"} & arguments
-        if name == "_flash_attention_forward_no_dropout_inplace":
-            assert "dropout_p" in switch
         assert switch, op
         off = {"dropout_p": 0.0} if "dropout_p" in switch else {"dropout": 0.0}
         assert not draws(op, off)
@@ -108,9 +103,15 @@ def test_fused_kernels_are_random_only_with_their_dropout(name):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_families_name_the_op_and_the_fix(name):
-    for op in tagged_families()[name]:
+    for op in tagged_families().get(name, []):
         message = str(unsupported(op))
         assert str(op) in message and ("F.dropout" in message or "out of the compiled region" in message)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_RANDOM))
+def test_tagged_helpers_that_never_draw(name):
+    for op in tagged_families().get(name, []):
+        assert not draws(op, {"dropout_p": 0.5})
 
 
 def test_refused_op_raises_when_compiled():
