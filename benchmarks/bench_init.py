@@ -26,6 +26,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
+from compile_rng.launch import progress  # noqa: E402
 from llama_init import BENCH_MODEL_ARGS, Transformer, add_model_args, build, init_weights  # noqa: E402
 
 
@@ -73,6 +74,7 @@ def compile_times(args: argparse.Namespace) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         argv = [sys.executable, __file__, "--first-compile", *(f"--{k}={getattr(args, k)}" for k in BENCH_MODEL_ARGS)]
         for run in ("cold", "warm"):
+            progress(f"first compile in a fresh process, {run} Inductor cache")
             result = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
             out[run] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
@@ -102,6 +104,7 @@ def main() -> None:
     rows = {}
     with torch.no_grad():
         for name, fn in cases.items():
+            progress(f"{name}: first call, then {args.repeat} timed calls")
             first, warm = timed(fn, model, args.repeat)
             compiled = getattr(fn, "compiled", lambda: None)()
             rows[name] = {"first_s": first, "warm_s": warm, "ns_per_param": warm / params * 1e9, "one_graph": compiled}

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -20,12 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compile_rng.launch import progress, spawn
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from bench_init import timed  # noqa: E402  (first call, then median of warm calls)
 
 
-def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> None:
     import warnings
 
     from llama_init import init_weights, parallel_model
@@ -35,19 +35,16 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
 
     warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = parallel_model("fsdp", mesh, args)
     torch.manual_seed(0)
     row = {}
     for mode in ("tracker", "invariant"):
         dist.barrier()
+        progress(f"{world} rank(s): timing @compile_rng.init(mode={mode!r}), {args.repeat} repeats")
         row[mode] = timed(compile_rng.init(init_weights, mode=mode), model, args.repeat)[1]
     row["local_params"] = sum(p.to_local().numel() for p in model.parameters())
     results[(world, rank)] = row
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -61,10 +58,9 @@ def main() -> None:
     args = parser.parse_args()
     results = mp.Manager().dict()
     for world in args.worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(run_rank, args=(world, port, args, results), nprocs=world, join=True)
+        progress(f"starting {world} gloo rank(s)")
+        spawn(run_rank, world, args, results)
+    progress("timing eager torch init on one rank")
     torch.set_num_threads(1)
     with torch.no_grad():
         eager = timed(init_weights, build(meta=False, args=args), args.repeat)[1]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import compile_rng
 from compile_rng import ops
+from compile_rng.launch import progress
 
 
 def timeit(fn: Callable[[], object], repeat: int) -> float:
@@ -72,7 +73,10 @@ def run(n: int, repeat: int, threads: list[int]) -> list[dict]:
     for t in threads:
         torch.set_num_threads(t)
         torch._dynamo.reset()  # Inductor bakes the thread count into its kernels
-        timed = {name: (group, timeit(fn, repeat)) for name, (group, fn) in cases(n).items()}
+        timed = {}
+        for name, (group, fn) in cases(n).items():
+            progress(f"{t} thread(s): {name} (compile, warm-up, {repeat} timed runs)")
+            timed[name] = (group, timeit(fn, repeat))
         memset = timed["memset fill_"][1]
         for name, (group, sec) in timed.items():
             row = {"threads": t, "case": name, "group": group, "ns_per_elem": sec / n * 1e9,

@@ -14,13 +14,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from compile_rng.launch import progress, spawn
 
 
 def _rss_bytes() -> int:
@@ -32,13 +32,11 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> None:
     import compile_rng
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = nn.ModuleList(nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers))
@@ -54,6 +52,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     model.to_empty(device="cpu")
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     torch.manual_seed(0)
+    progress(f"initializing {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {world} ranks")
     start = time.perf_counter()
     init_weights(model)
     seconds = time.perf_counter() - start
@@ -67,7 +66,6 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
         "init_seconds": seconds,
         "compiled": init_weights.compiled(),
     }
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -76,11 +74,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)  # 16 x 8192^2 = 1.07B parameters
     parser.add_argument("--json", default="load-init.json")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(run_rank, args=(2, port, args, results), nprocs=2, join=True)
+    progress("starting 2 gloo ranks")
+    spawn(run_rank, 2, args, results)
     results = dict(results)
     gib = 2**30
     ok = True

@@ -1,6 +1,6 @@
 """compile_rng: functional, SPMD-correct Philox random numbers for torch.compile.
 
-Public API:
+Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes it):
 
 * :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
   state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
@@ -40,20 +40,50 @@ def _mount_source_passes() -> None:
 
 _mount_source_passes()
 
-from . import ops, stream  # noqa: E402
-from .backend import backend  # noqa: E402
-from .compiling import compile  # noqa: E402
-from .dump import dump  # noqa: E402
-from .init_decorator import init  # noqa: E402
-from .report import explain  # noqa: E402
-from .seeding import install_manual_seed_hook, manual_seed  # noqa: E402
-from .state import get_state, set_state  # noqa: E402
-from . import tracker, trunc_normal  # noqa: E402
-from .tracker import mode  # noqa: E402
-
-install_manual_seed_hook()
-tracker.install()  # importing compile_rng opts DTensor random ops on CPU meshes into its stream
-trunc_normal.install()  # torch.nn.init.trunc_normal_: fewer redraws, ranks kept in step
-
-__all__ = ["backend", "compile", "dump", "explain", "get_state", "init", "manual_seed", "mode", "ops", "set_state", "stream"]
+# The public API, imported on first use: `import compile_rng` costs about a third of
+# `import torch` on top of it (no Dynamo, Inductor or depyf until they are needed).
+_PUBLIC = {
+    "backend": ".dynamo_backend",
+    "compile": ".compiling",
+    "dump": ".dumps",
+    "explain": ".explaining",
+    "get_state": ".state",
+    "init": ".init_decorator",
+    "install": ".installation",
+    "manual_seed": ".installation",
+    "mode": ".dispatch_modes",
+    "ops": None,
+    "set_state": ".state",
+    "stream": None,
+    "uninstall": ".installation",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _PUBLIC[name]
+    value = importlib.import_module(where or "." + name, __name__)
+    if where is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+def _run_as_cli() -> bool:
+    # `python -m compile_rng` imports this package before __main__ parses the command
+    # line (sys.argv[0] is "-m" meanwhile, as the docs of -m say); __main__ installs
+    # after parsing, so `--help` answers without importing torch.
+    return sys.argv[:1] == ["-m"] and sys.orig_argv[sys.orig_argv.index("-m") + 1 :][:1] == [__name__]
+
+
+if not _run_as_cli():
+    from .installation import install as _install
+
+    _install()  # importing compile_rng opts torch's seeding and DTensor's CPU meshes into its stream

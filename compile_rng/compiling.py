@@ -5,7 +5,7 @@ eagerly. ``torch.compile(fn, backend="compile_rng")`` makes the graphs functiona
 torch gives a backend no hook around the whole call (``torch.compile`` wraps the
 backend object, dropping Dynamo's ``backend_ctx_ctor``), so a plain-tensor random op
 in such an eager segment would draw from torch's generator. This wrapper holds
-:func:`compile_rng.tracker.compiled_call` around every call instead: eager segments
+:func:`compile_rng.dispatch_modes.compiled_call` around every call instead: eager segments
 then use the same stream and counters as one graph would.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from . import tracker
-from .backend import backend
+from . import dispatch_modes
+from .dynamo_backend import backend
 
 
 def compile(
@@ -51,7 +51,7 @@ def compile(
 
 def _on_stream(compiled: Callable, be: Any) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
-        with tracker.compiled_call():
+        with dispatch_modes.compiled_call():
             return compiled(*args, **kwargs)
 
     call.backend = be

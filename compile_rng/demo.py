@@ -22,15 +22,14 @@ for ``python -m compile_rng explain compile_rng.demo:explain_target``.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .launch import progress, spawn
 
 SEED = 2026
 HIDDEN, DIM, BATCH = 64, 16, 8
@@ -50,12 +49,6 @@ class MLP(nn.Module):
 def init_weights(model: nn.Module) -> None:
     for module in (model.up, model.down):
         module.reset_parameters()  # kaiming_uniform_ / uniform_ on DTensor parameters
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(world: int):
@@ -84,12 +77,9 @@ def _same_randomness(compiled: tuple, eager: tuple) -> bool:
     return torch.equal(w_c, w_e) and same_zeros and close and state_c == state_e
 
 
-def run_rank(rank: int, world: int, port: int, results: dict) -> None:
+def run_rank(rank: int, world: int, results: dict) -> None:
     import compile_rng
     from compile_rng import ops
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     def train_step(model, init, forward, mesh):
@@ -102,14 +92,18 @@ def run_rank(rank: int, world: int, port: int, results: dict) -> None:
         grad = model.up.weight.grad.to_local().clone()
         return weight, out.to_local().detach(), grad, compile_rng.get_state()
 
+    progress(f"{world} ranks up; building the tensor-parallel MLP on each")
     start = time.perf_counter()
     model, mesh = _build(world)
+    progress("compiling and running init, forward and backward with backend='compile_rng' (Inductor) ...")
     compiled = train_step(
         model, torch.compile(init_weights, backend="compile_rng"), torch.compile(model, backend="compile_rng"), mesh
     )
     elapsed = time.perf_counter() - start
+    progress(f"compiled step done in {elapsed:.0f} s; running the same step eagerly for comparison")
     eager_model, _ = _build(world)
     eager = train_step(eager_model, init_weights, eager_model, mesh)
+    progress("comparing what the ranks hold")
 
     # The canonical stream at this rank's tracker offset for up.weight: Colwise shards rows.
     w = compiled[0]
@@ -132,7 +126,6 @@ def run_rank(rank: int, world: int, port: int, results: dict) -> None:
             state=compiled[3],
             seconds=elapsed,
         )
-    dist.destroy_process_group()
 
 
 def explain_target(world: int = 4):
@@ -154,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=4, help="number of CPU ranks (divides 64)")
     args = parser.parse_args(argv)
     print(f"compile_rng demo: {args.world} gloo ranks, tensor-parallel MLP, torch {torch.__version__}")
-    print("compiling init and forward/backward on every rank (Inductor; ~1 min on 2 cores)...", flush=True)
-    results = mp.Manager().dict()
-    mp.spawn(run_rank, args=(args.world, _port(), results), nprocs=args.world, join=True)
+    print("compiling init and forward/backward on every rank (Inductor; ~1-2 min on 2 cores)", flush=True)
+    progress(f"starting {args.world} gloo ranks")
+    results = torch.multiprocessing.Manager().dict()
+    spawn(run_rank, args.world, results)
     rows = [
         ("sharded weight (up.weight) differs on every rank", results["weights_sharded_distinct"]),
         ("sharded hidden dropout masks differ on every rank", results["hidden_masks_distinct"]),

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from . import state, tracker
-from .backend import backend
+from . import dispatch_modes, state
+from .dynamo_backend import backend
 from .fqn_streams import fqn_streams, modules_in
 
 
@@ -54,8 +54,8 @@ def init(
     seeds ranks differently (pipeline stages seeded with ``seed + pp_rank`` would
     otherwise derive different per-name streams and defeat ``key="fqn"``).
     """
-    if mode not in tracker.MODES:
-        raise ValueError(f"compile_rng.init: mode must be one of {tracker.MODES}, got {mode!r}")
+    if mode not in dispatch_modes.MODES:
+        raise ValueError(f"compile_rng.init: mode must be one of {dispatch_modes.MODES}, got {mode!r}")
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile_rng.init: compile must be True, False or 'auto', got {compile!r}")
     if key not in (None, "fqn"):
@@ -73,7 +73,7 @@ def init(
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal use_graph
-            with tracker.mode(mode), torch.no_grad(), _stream_seed(seed if key is None else None):
+            with dispatch_modes.mode(mode), torch.no_grad(), _stream_seed(seed if key is None else None):
                 if use_graph:
                     before = state.get_state()
                     try:
@@ -98,7 +98,7 @@ def init(
                         use_graph = False
                 streams = fqn_streams(modules_in(args, kwargs), seed) if key == "fqn" else contextlib.nullcontext()
                 # The name streams' mode sits on top: it picks the stream, then the op draws.
-                with tracker.eager_stream(), streams:
+                with dispatch_modes.eager_stream(), streams:
                     return f(*args, **kwargs)
 
         run.backend = be

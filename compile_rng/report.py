@@ -1,4 +1,5 @@
-"""What the pass did, for people: annotated graph code and the ``explain`` report."""
+"""What the pass did, for people: annotated graph code and the report
+:func:`compile_rng.explain` returns (text only: nothing here compiles)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 import sympy
 import torch
 
-from . import state, tracker
 from .passes.functionalize_rng import RewrittenOp, RngPlan, Unsupported
 
 
@@ -92,13 +92,16 @@ class Report:
     unsupported: list[Unsupported]
 
     def __str__(self) -> str:
-        rows = [("#", "source", "op", "mode", "mesh", "placements", "global -> local", "dtype", "start", "advance")]
+        # offset: the op's first counter, relative to the state the call starts from;
+        # start: the rank's first counter within the op's range (by coordinate below)
+        rows = [("#", "source", "op", "mode", "mesh", "placements", "global -> local", "dtype", "offset", "start",
+                 "advance")]
         for i, r in enumerate(self.ops):
             mesh = "-" if r.mesh_shape is None else f"{r.mesh_shape}{tuple(r.mesh_dim_names or ())}"
             place = "replica" if r.placements is None else ", ".join(str(p) for p in r.placements)
             rows.append((str(i), r.source.split("/")[-1], r.op.replace("aten.", ""), r.mode, mesh, place,
                          f"{tuple(r.global_shape)} -> {tuple(r.local_shape)}", str(r.dtype).replace("torch.", ""),
-                         str(r.start), str(r.advance)))
+                         str(r.offset), str(r.start), str(r.advance)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -106,29 +109,9 @@ class Report:
             if r.mesh_shape is not None:
                 starts = ", ".join(f"{c}: {v}" for c, v in r.start_by_coordinate.items())
                 lines.append(f"op {i} start by mesh coordinate: {starts}")
+        lines.append("offset: the op's first counter after the call's starting state; start: the rank's first "
+                     "counter within the op")
         lines.append(f"total advance per call: {self.total_advance}")
         for u in self.unsupported:
             lines.append(f"UNSUPPORTED {u.op} at {u.source}: {u.reason}")
         return "\n".join(lines)
-
-
-def explain(fn: Any, *args: Any, mode: str = "tracker", **kwargs: Any) -> Report:
-    """Report every random op ``fn(*args, **kwargs)`` runs through compile_rng.
-
-    Compiles ``fn`` with ``compile_rng.backend(mode, inner="aot_eager")`` and calls it
-    once (its outputs are discarded and compile_rng's state is restored afterwards).
-    Random ops with no counter-based form are listed with the reason instead of raising.
-    """
-    from .backend import Backend, BackendConfig
-
-    if mode not in tracker.MODES:
-        raise ValueError(f"compile_rng.explain: mode must be one of {tracker.MODES}, got {mode!r}")
-    be = Backend(BackendConfig(mode, "aot_eager", collect_unsupported=True))
-    saved = state.get_state()
-    try:
-        torch.compile(fn, backend=be)(*args, **kwargs)
-    finally:
-        state.set_state(*saved)
-    ops = [OpReport.from_op(op) for plan in be.plans for op in plan.ops]
-    total = sum((plan.total_advance for plan in be.plans), sympy.Integer(0))
-    return Report(ops, total, [u for plan in be.plans for u in plan.unsupported])

@@ -27,7 +27,7 @@ import sympy
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
-from .stream import ceil4
+from .stream import ceil4, contiguous_strides
 
 # Placements that split a tensor dim across a mesh dim (_StridedShard is not a Shard).
 SHARDS = (Shard, _StridedShard)
@@ -215,11 +215,3 @@ def _first_chunk(p: Any, size: Any, n: int) -> Any:
         length = _min(piece * (k + 1), size) - _min(piece * k, size)
         total = total + _min((length + n - 1) // n, length)
     return total
-
-
-def contiguous_strides(shape: Sequence[Any]) -> list:
-    strides, acc = [], 1
-    for s in reversed(list(shape)):
-        strides.append(acc)
-        acc = acc * s
-    return strides[::-1]

@@ -1,7 +1,7 @@
 """The Philox state ``(seed, offset)`` per device type, both uint64.
 
 On CPU, whose generator is not counter-based, compile_rng keeps the state itself
-(:mod:`compile_rng.seeding` makes ``torch.manual_seed`` restart it). On CUDA the state *is* the device
+(:mod:`compile_rng.installation` makes ``torch.manual_seed`` restart it). On CUDA the state *is* the device
 generator's Philox state (``initial_seed()``, ``get_offset()``), so compiled
 compile_rng ops and eager CUDA ops share one stream.
 """

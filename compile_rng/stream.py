@@ -38,6 +38,8 @@ scalar pure-Python reference and the Random123 known-answer vectors.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -240,3 +242,54 @@ def random_bits(m: Math, w: Any, w_high: Any) -> Any:
     top = m.ge(w_high, m.const(2**31, i64))
     signed_high = m.sub(w_high, m.where(top, m.const(2**32, i64), m.const(0, i64)))
     return m.add(m.mul(signed_high, m.const(2**32, i64)), w)
+
+
+def contiguous_strides(shape: Sequence[Any]) -> list:
+    """Row-major strides of ``shape``: element ``idx`` of a replica has counter
+    ``base + sum(idx * strides)`` (ints or SymInts)."""
+    strides, acc = [], 1
+    for s in reversed(list(shape)):
+        strides.append(acc)
+        acc = acc * s
+    return strides[::-1]
+
+
+# --- the implementations of this contract ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of canonical stream v1 (as JAX's ``PRNGImpl`` records one of its
+    PRNGs). Every implementation provides the functional ops ``torch.ops.compile_rng.*``
+    (``uniform``, ``normal``, ``exponential``, ``bernoulli``, ``bernoulli_tensor``,
+    ``dropout``, ``randint``, ``random_bits``) with the values this module defines.
+    ``tests/test_stream_conformance.py`` runs every entry of :data:`IMPLEMENTATIONS`
+    against the scalar pure-Python reference; a new backend (Triton) adds one."""
+
+    name: str
+    #: ``(size, counter strides)`` layouts that select this implementation
+    layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    #: ``run(fn)``: ``fn`` (which calls the functional ops) made to run on this implementation
+    run: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return fn
+
+
+def _inductor(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from . import lowering  # noqa: F401  (registers the lowerings)
+
+    return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+
+
+IMPLEMENTATIONS = (
+    # The C kernel's per-element walk (any layout; words cached per block).
+    Implementation("c-scalar", (((3, 5), (7, 1)), ((2, 3, 4), (40, 8, 1)), ((), ())), _eager),
+    # The C kernel's vectorized batches of blocks: contiguous float32 streams (uniform,
+    # normal, bernoulli, dropout), with a head and a tail around the batches.
+    Implementation("c-vectorized", (((4, 1027), (1027, 1)),), _eager),
+    # Inductor's lowering: Philox and the transforms above in the generated kernel
+    # (float32 streams of 2**18 elements or more call the C kernel instead).
+    Implementation("inductor-lowering", (((3, 5), (7, 1)), ((257,), (1,))), _inductor),
+)

@@ -30,13 +30,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._random import OffsetBasedRNGTracker
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from . import state, verify
 from . import ops as cr_ops
-from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
-from .spmd import Sharding, contiguous_strides
-from .stream import ceil4
+from . import state, verify
+from .dispatch_modes import RandomOpMode, current_mode
+from .spmd import Sharding
 
 aten = torch.ops.aten
 
@@ -70,12 +68,18 @@ class Site:
     coords: tuple  # the runtime mesh coordinate (SymInts) ``start`` is a function of
     mesh: Any = None  # the DeviceMesh (verify=True checks over the ranks that run the graph)
 
-_sites: dict[int, Site] = {}
+#: ``node.meta`` key of a ``pending_key`` node's :class:`Site`: the graph carries what the
+#: pass needs, and it goes away with the graph (no registry outlives a compile).
+SITE = "compile_rng_site"
 _site_ids = itertools.count()
 
 
-def site(site_id: int) -> Site:
-    return _sites[site_id]
+def _traced_node(site_id: int) -> torch.fx.Node:
+    """The ``pending_key(site_id)`` node the proxy tracer just recorded."""
+    for node in reversed(get_proxy_mode().tracer.graph.nodes):
+        if node.target is torch.ops.compile_rng.pending_key.default and node.args[0] == site_id:
+            return node
+    raise RuntimeError(f"compile_rng internal error: the traced graph has no pending_key({site_id}) node")
 
 
 # Set by the backend while AOTAutograd traces one of its graphs.
@@ -91,213 +95,6 @@ def tracing_for_backend(mode: str) -> Iterator[None]:
         yield
     finally:
         _tracing_for_compile_rng.reset(token)
-
-
-MODES = ("tracker", "invariant")
-_eager_mode: contextvars.ContextVar[str] = contextvars.ContextVar("compile_rng_mode", default="tracker")
-
-
-@contextlib.contextmanager
-def mode(name: str) -> Iterator[None]:
-    """Counter layout of eager DTensor random ops inside the block (``"tracker"`` by
-    default, or ``"invariant"``). Compiled graphs take the mode of their backend; code
-    that graph-breaks out of one runs eagerly, so wrap the call in the same mode
-    (``@compile_rng.init`` does)."""
-    if name not in MODES:
-        raise ValueError(f"compile_rng.mode: expected one of {MODES}, got {name!r}")
-    token = _eager_mode.set(name)
-    try:
-        yield
-    finally:
-        _eager_mode.reset(token)
-
-
-# --- replacing the local op -----------------------------------------------------------
-
-
-def _out_shape_dtype(func: torch._ops.OpOverload, kw: dict) -> tuple[list, torch.dtype]:
-    """Output shape and dtype of a random op from its normalized arguments."""
-    if "size" in kw:
-        default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
-        return list(kw["size"]), kw.get("dtype") or default
-    if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
-        tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
-        return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
-    first = kw["input"]
-    return list(first.shape), kw.get("dtype") or first.dtype
-
-
-class _TensorCall(RandomCall):
-    """A random op call on local tensors, replaced at dispatch time."""
-
-    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None):
-        self.op, self.kw, self.key, self.offset = func, kw, key, offset
-        self._strides, self._size, self.dtype = strides, size, dtype
-        self.out = out  # an in-place op's target: the values may be written straight into it
-
-    def arg(self, name, default=None):
-        value = self.kw.get(name)
-        return default if value is None else value
-
-    def size(self):
-        return self._size
-
-    def strides(self):
-        return self._strides
-
-    def emit(self, target, *args):
-        into = cr_ops.INTO.get(target)
-        if self.out is not None and into is not None and into(self.out, self.key, self.offset, *args):
-            return self.out
-        return target(self.key, self.offset, *args)
-
-    def apply(self, target, *args, **kwargs):
-        return target(*args, **kwargs)
-
-
-def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
-    from torch.fx.operator_schemas import normalize_function
-
-    normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
-    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
-
-
-def _generator_error(func: torch._ops.OpOverload) -> NotImplementedError:
-    return NotImplementedError(
-        f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
-        "argument (seed with compile_rng.manual_seed) or call it outside"
-    )
-
-
-@dataclass(frozen=True)
-class Counters:
-    """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
-    result has counter ``key base + offset + sum(idx * strides)`` under ``key``'s seed."""
-
-    key: torch.Tensor
-    offset: int
-    strides: tuple[int, ...]
-    size: tuple[int, ...]
-
-
-_counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
-
-
-@contextlib.contextmanager
-def recorded_counters() -> Iterator[list[Counters]]:
-    """Collects the :class:`Counters` of every eager random op run inside the block."""
-    log: list[Counters] = []
-    token = _counter_log.set(log)
-    try:
-        yield log
-    finally:
-        _counter_log.reset(token)
-
-
-class RandomOpMode(TorchDispatchMode):
-    """Replaces random ops with the functional ops at the counters ``counters`` assigns.
-
-    ``counters(op, local_shape) -> (key, offset, strides)``. With ``plain_only`` the
-    mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
-    region then applies the sharded layout.
-    """
-
-    def __init__(self, counters, plain_only: bool = False):
-        super().__init__()
-        self.counters, self.plain_only = counters, plain_only
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        functional = INPLACE.get(func, func)
-        if self.plain_only and any(t is not torch.Tensor for t in types):
-            return func(*args, **kwargs)
-        if functional not in RULES:
-            if is_random(func):
-                kw = _normalize(func, args, kwargs)
-                if kw.get("generator") is not None:
-                    raise _generator_error(func)
-                if draws(func, kw):
-                    raise unsupported(func)
-            return func(*args, **kwargs)
-        kw = _normalize(func, args, kwargs)
-        if kw.get("generator") is not None:
-            raise _generator_error(func)
-        size, dtype = _out_shape_dtype(func, kw)
-        key, offset, strides = self.counters(func, size)
-        log = _counter_log.get()
-        if log is not None:
-            log.append(Counters(key, offset, tuple(strides), tuple(size)))
-        inplace = func is not functional
-        # Writing straight into the target needs real values (not while a graph is traced).
-        direct = inplace and get_proxy_mode() is None and torch._guards.detect_fake_mode() is None
-        call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
-        result = RULES[functional](call)
-        if inplace:
-            target = kw["input"]
-            result = result[0] if isinstance(result, tuple) else result
-            if result is not target:
-                target.copy_(result)
-            return target
-        return result
-
-
-def _plain_counters(func, size):
-    numel = 1
-    for s in size:
-        numel *= s
-    seed, base = state.advance(ceil4(numel))
-    return cr_ops.make_key(seed, base), 0, contiguous_strides(size)
-
-
-@contextlib.contextmanager
-def eager_stream() -> Iterator[None]:
-    """Eager random ops on plain CPU tensors inside the block draw from compile_rng's
-    stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
-    ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
-    keep going through the tracker. Disables ``torch.compile`` inside the block."""
-    with RandomOpMode(_plain_counters, plain_only=True):
-        yield
-
-
-class _SegmentMode(RandomOpMode):
-    # Dynamo compiles under a mode that ignores compile internals and the compiled
-    # graphs run under it; only the eager code between graphs reaches the mode with
-    # random ops (the graphs' own random ops are functional already).
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-_IN_COMPILED_CALL = contextvars.ContextVar("compile_rng_in_compiled_call", default=False)
-
-
-@contextlib.contextmanager
-def compiled_call() -> Iterator[None]:
-    """Around a call of a ``compile_rng.compile``d function: the eager code Dynamo runs
-    between graphs draws plain-tensor random ops from the stream (as
-    :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
-    token = _IN_COMPILED_CALL.set(True)
-    try:
-        with _SegmentMode(_plain_counters, plain_only=True):
-            yield
-    finally:
-        _IN_COMPILED_CALL.reset(token)
-
-
-def in_compiled_call() -> bool:
-    """Whether the code runs inside :func:`compiled_call`."""
-    return _IN_COMPILED_CALL.get()
-
-
-@contextlib.contextmanager
-def graph_call() -> Iterator[None]:
-    """Around a compiled graph: its ops skip :func:`compiled_call`'s mode (their random
-    ops are functional already), which saves a Python dispatch per op."""
-    if isinstance(_get_current_dispatch_mode(), _SegmentMode):
-        with _pop_mode_temporarily():
-            yield
-    else:
-        yield
 
 
 def _coordinates(mesh: Any, symbolic: bool) -> list:
@@ -333,7 +130,9 @@ class Tracker(OffsetBasedRNGTracker):
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
-    @torch._dynamo.disable
+    # torch._disable_dynamo (torch 2.13-2.15, what torch.manual_seed uses) imports Dynamo
+    # at the first call, not here: `import compile_rng` stays light.
+    @torch._disable_dynamo
     @contextlib.contextmanager
     def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
         if spec.mesh.device_type != "cpu":
@@ -369,7 +168,7 @@ class Tracker(OffsetBasedRNGTracker):
             # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
             yield
             return
-        mode = _tracing_for_compile_rng.get() if tracing else _eager_mode.get()
+        mode = _tracing_for_compile_rng.get() if tracing else current_mode()
         if mode is None:
             raise RuntimeError(
                 "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
@@ -383,9 +182,12 @@ class Tracker(OffsetBasedRNGTracker):
         def counters(func, local_shape):
             offset, strides = sharding.layout(mode, coords, local_shape)
             if tracing:
-                site_id = next(_site_ids)
-                _sites[site_id] = Site(str(func), mode, sharding, offset, sharding.advance(), tuple(coords), spec.mesh)
-                return pending_key(site_id, device), offset, strides
+                site_id = next(_site_ids)  # distinct args: no pass may merge two sites
+                key = pending_key(site_id, device)
+                _traced_node(site_id).meta[SITE] = Site(
+                    str(func), mode, sharding, offset, sharding.advance(), tuple(coords), spec.mesh
+                )
+                return key, offset, strides
             seed, base = state.advance(int(sharding.advance()), device)
             return cr_ops.make_key(seed, base, device), offset, strides
 
@@ -402,7 +204,7 @@ class Tracker(OffsetBasedRNGTracker):
 
 
 # Random ops DTensor's dispatcher runs without a distribute region.
-_UNROUTED = [
+UNROUTED = [
     aten.exponential_.default,
     aten.log_normal_.default,
     aten.cauchy_.default,
@@ -437,7 +239,7 @@ def _local_operand(op_call, target: DTensor, a: Any) -> Any:
     return a
 
 
-def _inplace_handler(op_call, args, kwargs):
+def inplace_handler(op_call, args, kwargs):
     target = args[0]
     if target.device_mesh.device_type != "cpu":
         return _stock_dispatch(op_call, args, kwargs)
@@ -469,35 +271,11 @@ def _stock_dispatch(op_call, args, kwargs):
             handlers[op_call] = mine
 
 
-_TRACKER = Tracker()
-
-
-def install() -> None:
-    """Make compile_rng DTensor's RNG tracker (idempotent)."""
-    import torch.distributed.tensor._random as dtensor_random
-
-    dtensor_random._rng_tracker = _TRACKER
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _UNROUTED:
-        handlers[op] = _inplace_handler
-    if not getattr(dtensor_random.is_rng_supported_mesh, "_compile_rng", False):
-        dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh)
-
-
-def _rng_supported_mesh(stock):
-    # DTensor's manual_seed(seed, mesh) - what pipeline code calls per stage - and its
-    # init helpers ask this before seeding; with compile_rng serving CPU meshes the answer
-    # there is yes, so the stream is seeded (and a rank outside the mesh gets torch's error).
-    def is_rng_supported_mesh(device_mesh) -> bool:
-        if device_mesh.device_type == "cpu" and installed():
-            return True
-        return stock(device_mesh)
-
-    is_rng_supported_mesh._compile_rng = True
-    return is_rng_supported_mesh
+TRACKER = Tracker()
 
 
 def installed() -> bool:
+    """Whether compile_rng's tracker is DTensor's tracker."""
     import torch.distributed.tensor._random as dtensor_random
 
-    return dtensor_random._rng_tracker is _TRACKER
+    return dtensor_random._rng_tracker is TRACKER

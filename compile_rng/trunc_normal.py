@@ -20,7 +20,7 @@ rank stops after its own shard is in range and the ranks' RNG states drift apart
 over the mesh, so all ranks advance alike; each element's value is unchanged (it is
 its first in-range draw either way).
 
-Installed as ``torch.nn.init.trunc_normal_`` on import. It takes over for DTensors on
+Installed as ``torch.nn.init.trunc_normal_`` on import (:mod:`compile_rng.installation`). It takes over for DTensors on
 CPU meshes and for plain tensors inside compile_rng's stream (``@compile_rng.init``,
 ``eager_stream``); anything else (torch's generator, other dtypes, narrow truncation,
 a ``generator``, ranks outside the mesh) runs torch's
@@ -30,13 +30,13 @@ own implementation.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from . import state, tracker
+from . import dispatch_modes, state
 from .cpu_kernel import normal_f32_at
 
 _TORCH_TRUNC_NORMAL = torch.nn.init.trunc_normal_
@@ -49,14 +49,22 @@ def _mass(mean: float, std: float, a: float, b: float) -> float:
     return norm_cdf((b - mean) / std) - norm_cdf((a - mean) / std)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # Not importing DTensor here keeps `import compile_rng` light; no DTensor exists
+    # before torch.distributed.tensor is imported.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def _on_the_stream(tensor: torch.Tensor) -> bool:
-    if isinstance(tensor, DTensor):
+    if _is_dtensor(tensor):
+        from . import tracker
+
         return tensor.device_mesh.device_type == "cpu" and tracker.installed()
-    return any(isinstance(m, tracker.RandomOpMode) for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, dispatch_modes.RandomOpMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return (
         _on_the_stream(tensor)
         and generator is None
@@ -65,7 +73,7 @@ def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, 
         and not tensor.is_meta
         and a - 2 * std <= mean <= b + 2 * std  # else torch warns; let it
         and _mass(mean, std, a, b) > 0.3
-        and (not isinstance(tensor, DTensor) or tensor.device_mesh.get_coordinate() is not None)
+        and (not _is_dtensor(tensor) or tensor.device_mesh.get_coordinate() is not None)
     )
 
 
@@ -82,7 +90,7 @@ def _never_rejects(mean: float, std: float, a: float, b: float) -> bool:
 def _any_on_mesh(flag: bool, tensor: torch.Tensor) -> bool:
     """``flag`` or-ed over the ranks of ``tensor``'s mesh (torch's loop asks a DTensor's
     ``mask.any()``, which reduces over the mesh); a plain tensor is on one rank."""
-    if not isinstance(tensor, DTensor):
+    if not _is_dtensor(tensor):
         return flag
     value = torch.tensor([int(flag)])
     mesh = tensor.device_mesh
@@ -91,7 +99,7 @@ def _any_on_mesh(flag: bool, tensor: torch.Tensor) -> bool:
     return bool(value.item())
 
 
-@torch._dynamo.disable  # reads values and the state: always eager (a graph break)
+@torch._disable_dynamo  # reads values and the state: always eager (Dynamo imported lazily)
 def trunc_normal_(
     tensor: torch.Tensor,
     mean: float = 0.0,
@@ -109,12 +117,12 @@ def trunc_normal_(
             return tensor.normal_(mean, std)
         lo = tensor.new_tensor(a, device="cpu").item()  # bounds in the tensor's dtype, as torch
         hi = tensor.new_tensor(b, device="cpu").item()
-        with tracker.recorded_counters() as log:
+        with dispatch_modes.recorded_counters() as log:
             tensor.normal_(mean, std)
         (draw,) = log
         seed, base = (int(v) % state.UINT64 for v in draw.key.tolist())
         advance = (state.get_state(draw.key.device)[1] - base) % state.UINT64
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if _is_dtensor(tensor) else tensor
         flat = local.reshape(-1)  # a copy for a non-contiguous view (a chunk of a fused weight)
         low_value, high_value = torch.aminmax(flat) if flat.numel() else (lo, hi)
         if low_value >= lo and high_value <= hi:
@@ -135,7 +143,7 @@ def trunc_normal_(
     return tensor
 
 
-def _layout_counters(flat_index: torch.Tensor, draw: tracker.Counters) -> torch.Tensor:
+def _layout_counters(flat_index: torch.Tensor, draw: dispatch_modes.Counters) -> torch.Tensor:
     """``offset + sum(idx * strides)`` of the row-major local positions ``flat_index``."""
     counters = torch.full_like(flat_index, draw.offset)
     rest = flat_index.clone()
@@ -143,9 +151,3 @@ def _layout_counters(flat_index: torch.Tensor, draw: tracker.Counters) -> torch.
         counters += (rest % size) * stride
         rest //= size
     return counters
-
-
-def install() -> None:
-    """Make :func:`trunc_normal_` ``torch.nn.init.trunc_normal_`` (code that looks it up
-    at call time, as torch and torchtitan do, gets it)."""
-    torch.nn.init.trunc_normal_ = trunc_normal_

@@ -111,7 +111,7 @@ def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
 _checked: set[tuple] = set()
 
 
-@torch._dynamo.disable  # communicates and reads the state: eager only, never traced
+@torch._disable_dynamo  # eager only: it communicates and reads the state (Dynamo imported lazily)
 def check_mesh_once(mesh) -> None:
     """Raise on the mesh's ranks unless they all hold the same ``(seed, offset)``; runs a
     collective over the mesh once per mesh and seeding (every rank of the mesh must

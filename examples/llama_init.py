@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import socket
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from compile_rng.launch import progress, spawn
 
 WORLD = 4
 SEED = 1234
@@ -148,14 +147,12 @@ def full_state(model: Transformer) -> dict:
     return out
 
 
-def run_rank(rank: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> None:
     import compile_rng
     from torch.distributed.tensor import init_device_mesh
 
     warnings.filterwarnings("ignore", message=".*does not compile as one graph.*")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     variants = {
         "tracker": compile_rng.init(init_weights, mode="tracker"),
@@ -164,6 +161,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: dict) -> N
     }
     table, timings = {}, {}
     for variant, init in variants.items():
+        progress(f"{variant}: single-device init, then TP, FSDP, FSDP x TP and 2 pipeline stages")
         torch.manual_seed(SEED)
         single = build(meta=False, args=args)
         start = time.perf_counter()
@@ -184,16 +182,13 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: dict) -> N
         results["table"] = table
         results["timings"] = timings
         results["params"] = sum(p.numel() for p in build(meta=True, args=args).parameters())
-    dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> dict:
     """Spawn the 4 ranks; returns rank 0's results (table, timings, parameter count)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(run_rank, args=(port, args, results), nprocs=WORLD, join=True)
+    progress(f"starting {WORLD} gloo ranks")
+    results = torch.multiprocessing.Manager().dict()
+    spawn(run_rank, WORLD, args, results)
     return dict(results)
 
 

@@ -14,11 +14,31 @@ symbols), and for each random op:
 Either way ``base`` then grows by the op's ``ceil4(numel(global))``. The offsets are
 emitted as SymInt nodes, so nothing rank- or shape-specific is baked into the graph.
 Any other random op raises an error naming it.
+
+Example: ``F.dropout(x, 0.5) + torch.rand(3)`` on a plain ``x`` of 3 elements
+(``arg1_1`` is the ``(seed, base)`` key input the backend adds to the graph)::
+
+    # before
+    native_dropout = torch.ops.aten.native_dropout.default(arg0_1, 0.5, True)
+    getitem = native_dropout[0]
+    rand = torch.ops.aten.rand.default([3], device=device(type='cpu'), pin_memory=False)
+    add = torch.ops.aten.add.Tensor(getitem, rand)
+
+    # after: counters [0, 4) draw the mask, [4, 8) the uniforms; the call advances 8
+    dropout_default = torch.ops.compile_rng.dropout.default(arg1_1, 0, arg0_1, [1], 0.5)
+    getitem = dropout_default[0]
+    uniform_default = torch.ops.compile_rng.uniform.default(arg1_1, 4, [3], [1], 0.0, 1.0, torch.float32)
+    add = torch.ops.aten.add.Tensor(getitem, uniform_default)
+
+A DTensor op arrives as ``compile_rng.uniform(pending_key(7, cpu), 128*u0, ...)`` (the
+shard's start in the runtime mesh coordinate ``u0``; the node's ``meta`` carries the
+op's sharding) and leaves as ``compile_rng.uniform(arg1_1, base + 128*u0, ...)``.
 """
 
 from __future__ import annotations
 
 import operator
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +90,9 @@ class RngPlan:
     """What the pass did to one compiled graph; filled in as the pass runs."""
 
     name: str = "graph"  # which compiled function (set by the backend)
+    #: the backend's counter layout; a plain tensor (a one-rank replica) has the same
+    #: layout in both, and its ops are reported under this mode
+    mode: str = "tracker"
     ops: list[RewrittenOp] = field(default_factory=list)
     total_advance: sympy.Expr = sympy.Integer(0)
     #: Python code of each graph before and after the pass rewrote it.
@@ -84,13 +107,22 @@ class RngPlan:
 
 
 def source_of(node: fx.Node) -> str:
-    """``file:line`` of the innermost user frame that created ``node``."""
+    """``file:line`` of the innermost user frame that created ``node``; for an op inside
+    torch's own modules (``nn.Dropout`` in an ``nn.Sequential``: Dynamo records no user
+    frame) the innermost module, as ``path.in.model (Class)``; else ``?``."""
     trace = node.meta.get("stack_trace") or ""
     frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
-    if not frames:
-        return "?"
-    parts = frames[-1].split(",")
-    return f"{parts[0][6:-1]}:{parts[1].split()[-1]}" if len(parts) > 1 else frames[-1]
+    if frames:
+        parts = frames[-1].split(",")
+        return f"{parts[0][6:-1]}:{parts[1].split()[-1]}" if len(parts) > 1 else frames[-1]
+    modules = list((node.meta.get("nn_module_stack") or {}).values())
+    if modules:
+        path, cls = modules[-1][0], modules[-1][1]
+        path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # Dynamo's name of the compiled root module
+        path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path).lstrip(".")
+        name = getattr(cls, "__name__", str(cls))
+        return f"{path} ({name})" if path else name
+    return "?"
 
 
 def _expr(v: Any) -> sympy.Expr:
@@ -279,7 +311,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
         with graph.inserting_before(node):
             base_value = emitter.emit(base)
             if node.target is pending_key:
-                info = tracker.site(node.args[0])
+                info = node.meta[tracker.SITE]
                 new = _resolve_pending(node, key, base_value)
                 advance = _expr(info.advance)
                 val = _first_val(new)
@@ -296,7 +328,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
-                    tuple(call.shape), call.dtype, base, advance,
+                    tuple(call.shape), call.dtype, base, advance, plan.mode,
                 )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)

@@ -110,3 +110,52 @@ def test_command_line_explain(command):
     assert out.returncode == 0, out.stderr
     assert "native_dropout.default" in out.stdout and "start by mesh coordinate: (0,): 0, (1,): 128" in out.stdout
     assert "[compile_rng] tracing and compiling" in out.stderr  # progress for a person at a terminal
+
+
+def test_explain_reports_plain_offsets_the_mode_and_module_sources():
+    torch._dynamo.reset()
+
+    def step(x):
+        a = torch.rand(100)
+        b = torch.randn(300)
+        return F.dropout(x, 0.5).sum() + a.sum() + b.sum()
+
+    report = compile_rng.explain(step, torch.ones(2, 8), mode="invariant")
+    # Plain tensors take ceil4(numel) counters each, in program order.
+    assert [int(r.offset) for r in report.ops] == [0, 100, 400]
+    assert [int(r.advance) for r in report.ops] == [100, 300, 16]
+    assert {r.mode for r in report.ops} == {"invariant"}
+    rows = str(report).splitlines()[2:5]
+    assert [row.split()[-3] for row in rows] == ["0", "100", "400"]  # the offset column
+    # nn.Dropout inside nn.Sequential, explained as the function itself: no user frame
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    assert [r.source for r in compile_rng.explain(model, torch.ones(2, 8)).ops] == ["1 (Dropout)"]
+
+
+def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_command_line_help_imports_no_torch():
+    out = _cli("-X", "importtime", "-m", "compile_rng", "--help")
+    assert out.returncode == 0 and "TARGET is path/to/file.py:NAME" in out.stdout
+    imported = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert "compile_rng" in imported and not any(m == "torch" or m.startswith("torch.") for m in imported)
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("missing.py:f", "no file 'missing.py'"),
+        ("no_such_module_xyz:f", "no module 'no_such_module_xyz'"),
+        ("target.py:nope", "has no 'nope'; its functions: needs_args"),
+        ("target.py:needs_args", "needs arguments (x, y)"),
+        ("target.py:VALUE", "is not callable"),
+        ("no-colon", "TARGET must look like"),
+    ],
+)
+def test_command_line_bad_targets_get_one_line_errors(tmp_path, target, message):
+    (tmp_path / "target.py").write_text("VALUE = 3\n\n\ndef needs_args(x, y):\n    return x\n")
+    out = _cli("-m", "compile_rng", "explain", target, cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("compile_rng: ") and message in out.stderr

@@ -123,7 +123,7 @@ def test_eager_segments_of_compile_rng_compile_stay_on_the_stream():
     for run in ("eager_stream", "compile_rng.compile", "compile_rng.compile again"):
         compile_rng.manual_seed(11)
         if run == "eager_stream":
-            with compile_rng.tracker.eager_stream():
+            with compile_rng.dispatch_modes.eager_stream():
                 outs = _split_program(x)
         else:
             if run == "compile_rng.compile":
@@ -172,7 +172,7 @@ def test_compile_rng_compile_module_with_a_graph_break_matches_eager_stream():
     compile_rng.manual_seed(5)
     got = compiled(x)
     compile_rng.manual_seed(5)
-    with compile_rng.tracker.eager_stream():
+    with compile_rng.dispatch_modes.eager_stream():
         want = block(x)
     assert torch.equal(got, want) and compile_rng.get_state() == (5, 64)
     assert len(compiled.forward.backend.plans) == 2
@@ -194,7 +194,7 @@ def _segments_worker(rank: int, world: int) -> None:
     for run in ("eager", "compiled"):
         compile_rng.manual_seed(21)
         if run == "eager":
-            with compile_rng.tracker.eager_stream():
+            with compile_rng.dispatch_modes.eager_stream():
                 got = program(x)
         else:
             got = compile_rng.compile(program, inner="aot_eager")(x)

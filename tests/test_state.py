@@ -38,8 +38,8 @@ def test_torch_manual_seed_still_seeds_torch():
 
 
 def test_hook_is_installed_once():
-    compile_rng.seeding.install_manual_seed_hook()
-    compile_rng.seeding.install_manual_seed_hook()
+    compile_rng.install()
+    compile_rng.install()
     # (torch._dynamo may wrap torch.manual_seed again; torch.random.manual_seed is ours)
     assert getattr(torch.random.manual_seed, "_compile_rng_hook", False)
     assert not getattr(torch.random.manual_seed.__wrapped__, "_compile_rng_hook", False)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from gloo_ranks import spawn
 
 import compile_rng
-from compile_rng import tracker
+from compile_rng import dispatch_modes
 
 CASES = [  # shape, kwargs: no rejection possible, 3-sigma (a few redraws), 1-sigma (many), narrow, 1-D
     ((64, 48), dict(std=0.02)),
@@ -24,7 +24,7 @@ def _torch_loop(tensor, kw, mode="tracker"):
     """torch's own trunc_normal_ on the stream (the reference)."""
     from compile_rng.trunc_normal import _TORCH_TRUNC_NORMAL
 
-    with torch.no_grad(), compile_rng.mode(mode), tracker.eager_stream():
+    with torch.no_grad(), compile_rng.mode(mode), dispatch_modes.eager_stream():
         _TORCH_TRUNC_NORMAL(tensor, **kw)
 
 

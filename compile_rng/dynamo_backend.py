@@ -23,8 +23,8 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 
-from . import state, tracker, verify
-from .dump import write_plan
+from . import dispatch_modes, state, tracker, verify
+from .dumps import write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
 
@@ -164,7 +164,7 @@ def _graph_name(gm: fx.GraphModule) -> str:
 
 def _warn_if_split(gm: fx.GraphModule) -> None:
     reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None or not reason.graph_break or tracker.in_compiled_call():
+    if reason is None or not reason.graph_break or dispatch_modes.in_compiled_call():
         return
     # Reported at the user's line that broke the graph, once per compiled graph.
     where = reason.user_stack[-1] if reason.user_stack else None
@@ -189,7 +189,9 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         _warn_if_split(gm)
-        plan = RngPlan(name=_graph_name(gm), collect_unsupported=self.config.collect_unsupported)
+        plan = RngPlan(
+            name=_graph_name(gm), mode=self.config.mode, collect_unsupported=self.config.collect_unsupported
+        )
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
         start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
@@ -210,7 +212,7 @@ class Backend:
                     groups.extend(verify.groups_of(meshes, self.config.verify))
                 verify.check(plan.name, *state.get_state(), graph_signature, groups)
             seed, offset = state.advance(advance(args))
-            with tracker.graph_call():
+            with dispatch_modes.graph_call():
                 return compiled(*args, make_key(seed, offset))
 
         return run
@@ -234,8 +236,8 @@ def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False)
     ``verify=mesh`` (or a process group) names the ranks, as a pipeline stage must for
     a graph on plain tensors.
     """
-    if mode not in tracker.MODES:
-        raise ValueError(f"compile_rng.backend: mode must be one of {tracker.MODES}, got {mode!r}")
+    if mode not in dispatch_modes.MODES:
+        raise ValueError(f"compile_rng.backend: mode must be one of {dispatch_modes.MODES}, got {mode!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
     return Backend(BackendConfig(mode, inner, verify=verify))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .report import annotated_code
+
 _dump_dir: contextvars.ContextVar[Path | None] = contextvars.ContextVar("compile_rng_dump_dir", default=None)
 
 
@@ -40,8 +42,6 @@ def dump(path: str | Path) -> Iterator[Path]:
 
 def write_plan(plan) -> None:
     """Called by the backend after each compile: writes the plan's files if dumping."""
-    from .report import annotated_code
-
     folder = _dump_dir.get()
     if folder is None or not plan.graphs:
         return

@@ -1,0 +1,237 @@
+"""Dispatch modes that put eager random ops on compile_rng's stream.
+
+* :class:`RandomOpMode` replaces each random op (plain or local tensors) with the
+  functional op at the counters a callback assigns; the DTensor tracker
+  (:mod:`compile_rng.tracker`) runs one with the shard's layout, :func:`eager_stream`
+  and :func:`compiled_call` with a plain tensor's (a replica on a one-rank mesh);
+* :func:`mode` - the counter layout (``"tracker"`` or ``"invariant"``) of eager DTensor
+  random ops;
+* :func:`recorded_counters` - the counters each eager random op drew (for
+  ``trunc_normal_``'s redraws).
+
+Nothing here needs DTensor: plain-tensor code pays no DTensor import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+
+from . import ops as cr_ops
+from . import state
+from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
+from .stream import ceil4, contiguous_strides
+
+MODES = ("tracker", "invariant")
+_eager_mode: contextvars.ContextVar[str] = contextvars.ContextVar("compile_rng_mode", default="tracker")
+
+
+def current_mode() -> str:
+    """The layout :func:`mode` selects for eager DTensor random ops here."""
+    return _eager_mode.get()
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Counter layout of eager DTensor random ops inside the block (``"tracker"`` by
+    default, or ``"invariant"``). Compiled graphs take the mode of their backend; code
+    that graph-breaks out of one runs eagerly, so wrap the call in the same mode
+    (``@compile_rng.init`` does)."""
+    if name not in MODES:
+        raise ValueError(f"compile_rng.mode: expected one of {MODES}, got {name!r}")
+    token = _eager_mode.set(name)
+    try:
+        yield
+    finally:
+        _eager_mode.reset(token)
+
+
+def _out_shape_dtype(func: torch._ops.OpOverload, kw: dict) -> tuple[list, torch.dtype]:
+    """Output shape and dtype of a random op from its normalized arguments."""
+    if "size" in kw:
+        default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
+        return list(kw["size"]), kw.get("dtype") or default
+    if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
+        tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
+        return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
+    first = kw["input"]
+    return list(first.shape), kw.get("dtype") or first.dtype
+
+
+class _TensorCall(RandomCall):
+    """A random op call on local tensors, replaced at dispatch time."""
+
+    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None):
+        self.op, self.kw, self.key, self.offset = func, kw, key, offset
+        self._strides, self._size, self.dtype = strides, size, dtype
+        self.out = out  # an in-place op's target: the values may be written straight into it
+
+    def arg(self, name, default=None):
+        value = self.kw.get(name)
+        return default if value is None else value
+
+    def size(self):
+        return self._size
+
+    def strides(self):
+        return self._strides
+
+    def emit(self, target, *args):
+        into = cr_ops.INTO.get(target)
+        if self.out is not None and into is not None and into(self.out, self.key, self.offset, *args):
+            return self.out
+        return target(self.key, self.offset, *args)
+
+    def apply(self, target, *args, **kwargs):
+        return target(*args, **kwargs)
+
+
+def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
+
+
+def _generator_error(func: torch._ops.OpOverload) -> NotImplementedError:
+    return NotImplementedError(
+        f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
+        "argument (seed with compile_rng.manual_seed) or call it outside"
+    )
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
+    result has counter ``key base + offset + sum(idx * strides)`` under ``key``'s seed."""
+
+    key: torch.Tensor
+    offset: int
+    strides: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+_counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
+
+
+@contextlib.contextmanager
+def recorded_counters() -> Iterator[list[Counters]]:
+    """Collects the :class:`Counters` of every eager random op run inside the block."""
+    log: list[Counters] = []
+    token = _counter_log.set(log)
+    try:
+        yield log
+    finally:
+        _counter_log.reset(token)
+
+
+class RandomOpMode(TorchDispatchMode):
+    """Replaces random ops with the functional ops at the counters ``counters`` assigns.
+
+    ``counters(op, local_shape) -> (key, offset, strides)``. With ``plain_only`` the
+    mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
+    region then applies the sharded layout.
+    """
+
+    def __init__(self, counters, plain_only: bool = False):
+        super().__init__()
+        self.counters, self.plain_only = counters, plain_only
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        functional = INPLACE.get(func, func)
+        if self.plain_only and any(t is not torch.Tensor for t in types):
+            return func(*args, **kwargs)
+        if functional not in RULES:
+            if is_random(func):
+                kw = _normalize(func, args, kwargs)
+                if kw.get("generator") is not None:
+                    raise _generator_error(func)
+                if draws(func, kw):
+                    raise unsupported(func)
+            return func(*args, **kwargs)
+        kw = _normalize(func, args, kwargs)
+        if kw.get("generator") is not None:
+            raise _generator_error(func)
+        size, dtype = _out_shape_dtype(func, kw)
+        key, offset, strides = self.counters(func, size)
+        log = _counter_log.get()
+        if log is not None:
+            log.append(Counters(key, offset, tuple(strides), tuple(size)))
+        inplace = func is not functional
+        # Writing straight into the target needs real values (not while a graph is traced).
+        direct = inplace and get_proxy_mode() is None and torch._guards.detect_fake_mode() is None
+        call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
+        result = RULES[functional](call)
+        if inplace:
+            target = kw["input"]
+            result = result[0] if isinstance(result, tuple) else result
+            if result is not target:
+                target.copy_(result)
+            return target
+        return result
+
+
+def _plain_counters(func, size):
+    numel = 1
+    for s in size:
+        numel *= s
+    seed, base = state.advance(ceil4(numel))
+    return cr_ops.make_key(seed, base), 0, contiguous_strides(size)
+
+
+@contextlib.contextmanager
+def eager_stream() -> Iterator[None]:
+    """Eager random ops on plain CPU tensors inside the block draw from compile_rng's
+    stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
+    ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
+    keep going through the tracker. Disables ``torch.compile`` inside the block."""
+    with RandomOpMode(_plain_counters, plain_only=True):
+        yield
+
+
+class _SegmentMode(RandomOpMode):
+    # Dynamo compiles under a mode that ignores compile internals and the compiled
+    # graphs run under it; only the eager code between graphs reaches the mode with
+    # random ops (the graphs' own random ops are functional already).
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+_IN_COMPILED_CALL = contextvars.ContextVar("compile_rng_in_compiled_call", default=False)
+
+
+@contextlib.contextmanager
+def compiled_call() -> Iterator[None]:
+    """Around a call of a ``compile_rng.compile``d function: the eager code Dynamo runs
+    between graphs draws plain-tensor random ops from the stream (as
+    :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
+    token = _IN_COMPILED_CALL.set(True)
+    try:
+        with _SegmentMode(_plain_counters, plain_only=True):
+            yield
+    finally:
+        _IN_COMPILED_CALL.reset(token)
+
+
+def in_compiled_call() -> bool:
+    """Whether the code runs inside :func:`compiled_call`."""
+    return _IN_COMPILED_CALL.get()
+
+
+@contextlib.contextmanager
+def graph_call() -> Iterator[None]:
+    """Around a compiled graph: its ops skip :func:`compiled_call`'s mode (their random
+    ops are functional already), which saves a Python dispatch per op."""
+    if isinstance(_get_current_dispatch_mode(), _SegmentMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield

@@ -1,0 +1,202 @@
+"""Everything importing compile_rng changes in torch, in one place.
+
+:func:`install` (run on ``import compile_rng``; idempotent) makes these changes, and
+:func:`uninstall` undoes them, for tests and for users who want stock torch back. Each
+was checked on torch 2.13.0 and 2.15.0 (2.14 has the same modules).
+
+==========================================================  ========================================
+what                                                        why
+==========================================================  ========================================
+``torch.manual_seed``, ``torch.random.manual_seed``         the seeding every training script does
+wrapped to also call :func:`manual_seed`                    restarts compile_rng's stream too
+``torch.nn.init.trunc_normal_``                             fewer redraws; ranks kept in step
+``torch.distributed.tensor._random._rng_tracker``           DTensor runs every random op's local op
+= compile_rng's :class:`~compile_rng.tracker.Tracker`       in the tracker's region: the SPMD contract
+``_random.is_rng_supported_mesh``: yes for CPU meshes       DTensor's ``manual_seed(seed, mesh)`` and
+                                                            init helpers ask it before seeding
+``DTensor._op_dispatcher._custom_op_handlers`` for the      DTensor runs those ops without a region
+in-place ops DTensor leaves unrouted (``exponential_``...)
+==========================================================  ========================================
+
+The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
+already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
+within a third of ``import torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from . import state, trunc_normal
+
+_stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
+
+
+def manual_seed(seed: int) -> None:
+    """Restart the stream at ``(seed, 0)`` and :func:`install` compile_rng (again, if it
+    was uninstalled). ``seed`` is a full uint64; call it with the same seed on every rank
+    of a mesh. ``torch.manual_seed(s)`` calls it too while compile_rng is installed."""
+    state.manual_seed(seed)
+    install()
+
+
+def install() -> None:
+    """Make compile_rng serve torch's seeding, ``trunc_normal_`` and DTensor's random ops
+    on CPU meshes (idempotent; the module docstring lists each change and its reason)."""
+    if "manual_seed" not in _stock:
+        _stock.update(
+            manual_seed=torch.random.manual_seed,
+            torch_manual_seed=torch.manual_seed,
+            trunc_normal_=torch.nn.init.trunc_normal_,
+        )
+        hook = _stock["hook"] = _manual_seed_hook(_stock["manual_seed"])
+        torch.random.manual_seed = hook
+        torch.manual_seed = hook
+        torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
+    # The tracker module imports DTensor; whichever of the two is imported first, the
+    # tracker is installed once its module is complete.
+    _after_import("torch.distributed.tensor", _import_tracker)
+    _after_import("compile_rng.tracker", _install_tracker)
+
+
+def uninstall() -> None:
+    """Give torch back its own seeding, ``trunc_normal_`` and DTensor tracker.
+    compile_rng's functions stay usable; :func:`install` (or :func:`manual_seed`)
+    installs it again."""
+    _pending.clear()
+    if "manual_seed" in _stock:
+        torch.random.manual_seed = _stock["manual_seed"]
+        if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
+            # Dynamo, imported after install(), wrapped our hook in torch._disable_dynamo
+            # (torch/_dynamo/__init__.py, 2.13-2.15); keep its wrapper around torch's own.
+            torch.manual_seed = torch._disable_dynamo(_stock["manual_seed"])
+        else:
+            torch.manual_seed = _stock["torch_manual_seed"]
+        torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
+    if "rng_tracker" in _stock:
+        import torch.distributed.tensor._random as dtensor_random
+        from torch.distributed.tensor import DTensor
+
+        from . import tracker
+
+        dtensor_random._rng_tracker = _stock["rng_tracker"]
+        dtensor_random.is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for op in tracker.UNROUTED:
+            if handlers.get(op) is tracker.inplace_handler:
+                del handlers[op]
+    _stock.clear()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return "manual_seed" in _stock
+
+
+def _manual_seed_hook(original: Callable) -> Callable:
+    # torch.manual_seed is looked up at call time by nearly every caller (training
+    # scripts, Lightning's seed_everything, DTensor), so the module attributes cover it.
+    @functools.wraps(original)
+    def manual_seed_hook(seed):
+        result = original(seed)
+        # torch accepts negative seeds and reduces them mod 2**64; mirror that.
+        manual_seed(int(seed) % state.UINT64)
+        return result
+
+    manual_seed_hook._compile_rng_hook = True
+    return manual_seed_hook
+
+
+def _import_tracker(_dtensor: ModuleType) -> None:
+    # A tracker module already in sys.modules is the one whose import is importing
+    # DTensor right now: its own hook installs it when it is complete.
+    if "compile_rng.tracker" not in sys.modules:
+        importlib.import_module("compile_rng.tracker")
+
+
+def _install_tracker(tracker: ModuleType) -> None:
+    # Again on every install(): torch's own code may have replaced the tracker (tests
+    # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
+    import torch.distributed.tensor._random as dtensor_random
+    from torch.distributed.tensor import DTensor
+
+    if "rng_tracker" not in _stock:
+        _stock.update(rng_tracker=dtensor_random._rng_tracker, is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh)
+        dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
+    dtensor_random._rng_tracker = tracker.TRACKER
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in tracker.UNROUTED:
+        handlers[op] = tracker.inplace_handler
+
+
+def _rng_supported_mesh(stock: Callable, tracker: ModuleType) -> Callable:
+    # DTensor's manual_seed(seed, mesh) - what pipeline code calls per stage - and its
+    # init helpers ask this before seeding; with compile_rng serving CPU meshes the answer
+    # there is yes, so the stream is seeded (and a rank outside the mesh gets torch's error).
+    @functools.wraps(stock)
+    def is_rng_supported_mesh(device_mesh) -> bool:
+        if device_mesh.device_type == "cpu" and tracker.installed():
+            return True
+        return stock(device_mesh)
+
+    return is_rng_supported_mesh
+
+
+# --- post-import hooks ----------------------------------------------------------------
+
+_pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs the callbacks :func:`_after_import` registered for a module once its import
+    has completed (the module object is the one in ``sys.modules``)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without recursing into this finder
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+
+        class _ThenCallbacks(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                module.__spec__.loader = module.__loader__ = loader
+                loader.exec_module(module)
+                for callback in _pending.pop(fullname, []):
+                    callback(module)
+
+        spec.loader = _ThenCallbacks()
+        return spec
+
+
+_FINDER = _AfterImport()
+
+
+def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """``callback(module)`` now if ``name`` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    callbacks = _pending.setdefault(name, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

@@ -1,0 +1,105 @@
+"""What importing compile_rng changes in torch: install(), uninstall(), and the deferred
+DTensor and Dynamo items (compile_rng/installation.py), each in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import compile_rng
+from compile_rng import installation
+
+
+def _fresh(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_pulls_in_neither_dynamo_nor_dtensor():
+    assert _fresh(
+        """
+        import sys, torch
+        import compile_rng
+        heavy = [m for m in ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "depyf") if m in sys.modules]
+        print(heavy, getattr(torch.manual_seed, "_compile_rng_hook", False))
+        """
+    ).split() == ["[]", "True"]
+
+
+_CHECK_INSTALLED = """
+    import torch.distributed.tensor._random as dtensor_random
+    from compile_rng import tracker
+    assert dtensor_random._rng_tracker is tracker.TRACKER
+    assert dtensor_random.is_rng_supported_mesh(type("M", (), {"device_type": "cpu"})())
+    print("installed")
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import compile_rng; import torch.distributed.tensor",
+        "import compile_rng; import compile_rng.tracker",
+        "import torch.distributed.tensor; import compile_rng",
+        "import compile_rng.tracker",
+        "import compile_rng; compile_rng.uninstall(); import torch.distributed.tensor; compile_rng.install()",
+    ],
+    ids=["dtensor-after", "tracker-module-after", "dtensor-before", "tracker-module-first", "reinstalled"],
+)
+def test_dtensor_items_are_installed_in_any_import_order(first):
+    assert _fresh(first + "\n" + textwrap.dedent(_CHECK_INSTALLED)).strip() == "installed"
+
+
+def test_compiled_caller_graph_breaks_on_trunc_normal_captured_before_dynamo():
+    # `from torch.nn.init import trunc_normal_` before Dynamo exists, then compiled: Dynamo
+    # must not inline it (it reads values and the state); it runs eagerly on the stream.
+    out = _fresh(
+        """
+        import torch
+        import compile_rng
+        from torch.nn.init import trunc_normal_
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+        def init(w):
+            return trunc_normal_(w * 1, std=0.02)
+        torch.manual_seed(3)
+        a = compile_rng.compile(init, inner="aot_eager")(torch.empty(64, 64))
+        state_a = compile_rng.get_state()
+        breaks = [k for k in counters["graph_break"] if "disable" in k or "skip" in k.lower()]
+        torch.manual_seed(3)
+        b = compile_rng.init(init, compile=False)(torch.empty(64, 64))
+        print(torch.equal(a, b), state_a == compile_rng.get_state(), state_a != (3, 0), bool(breaks))
+        """
+    )
+    assert out.split() == ["True", "True", "True", "True"]
+
+
+def test_uninstall_gives_torch_back_and_install_restores():
+    import torch.distributed.tensor._random as dtensor_random
+
+    from compile_rng import tracker
+
+    compile_rng.uninstall()
+    try:
+        assert not installation.installed() and not tracker.installed()
+        assert not getattr(torch.random.manual_seed, "_compile_rng_hook", False)
+        assert not getattr(torch.manual_seed, "_compile_rng_hook", False)
+        assert torch.nn.init.trunc_normal_ is compile_rng.trunc_normal._TORCH_TRUNC_NORMAL
+        assert dtensor_random._rng_tracker is not tracker.TRACKER
+        assert not dtensor_random.is_rng_supported_mesh(type("M", (), {"device_type": "cpu"})())
+        before = compile_rng.get_state()
+        torch.manual_seed(5)  # torch's own: compile_rng's stream stays where it was
+        assert compile_rng.get_state() == before
+        compile_rng.uninstall()  # idempotent
+    finally:
+        compile_rng.install()
+    assert getattr(torch.random.manual_seed, "_compile_rng_hook", False)
+    assert torch.nn.init.trunc_normal_ is compile_rng.trunc_normal.trunc_normal_
+    assert tracker.installed() and dtensor_random._rng_tracker is tracker.TRACKER
+    torch.manual_seed(5)
+    assert compile_rng.get_state() == (5, 0)
