@@ -46,7 +46,6 @@ _DOMAIN = b"compile_rng/fqn/v1"
 ANONYMOUS = "<anonymous>"
 
 aten = torch.ops.aten
-aten = torch.ops.aten
 
 # Ops that allocate a temporary "like" a tensor (the names are refreshed for them: the
 # tensor may have been registered since the last draw).

@@ -197,3 +197,85 @@ def test_fqn_streams_on_tp_fsdp_and_fsdp_tp_gloo():
     from gloo_ranks import spawn
 
     spawn(_gloo_configs, 4)
+
+
+# --- unit: which stream each draw takes (fqn_streams directly, values from the functional ops)
+
+
+class _Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(torch.empty(6, 4))
+        self.register_buffer("cache", torch.zeros(3))
+
+
+def _stream(name: str, offset: int, shape: tuple, seed: int = SEED) -> torch.Tensor:
+    """Standard normals of ``name``'s stream from ``offset`` (a fresh row-major layout)."""
+    from compile_rng import ops
+    from compile_rng.stream import contiguous_strides
+
+    key = ops.make_key(fqn_streams.derive_seed(seed, name), offset)
+    return ops.normal(key, 0, list(shape), contiguous_strides(shape), 0.0, 1.0, torch.float32)
+
+
+def _in_streams(module: nn.Module, body) -> None:
+    from compile_rng.dispatch_modes import eager_stream
+
+    with torch.no_grad(), eager_stream(), fqn_streams.fqn_streams([module], seed=SEED):
+        body()
+
+
+def test_unit_chunks_of_a_fused_weight_continue_its_stream():
+    m = _Fused()
+    _in_streams(m, lambda: [chunk.normal_() for chunk in m.qkv.chunk(3)])
+    # three 2x4 chunks: counters 0, 8, 16 of qkv's stream, in draw order
+    want = torch.cat([_stream("qkv", 8 * i, (2, 4)) for i in range(3)])
+    assert torch.equal(m.qkv, want)
+
+
+def test_unit_temporary_allocated_from_a_parameter_takes_its_stream():
+    m = _Fused()
+
+    def body():
+        tmp = m.qkv.new_empty(6, 4)
+        tmp.normal_()
+        m.qkv.copy_(tmp)
+
+    _in_streams(m, body)
+    assert torch.equal(m.qkv, _stream("qkv", 0, (6, 4)))
+
+
+def test_unit_reassigned_buffer_is_named_by_its_new_storage():
+    m = _Fused()
+
+    def body():
+        m.cache = torch.empty(5)  # a rebuilt buffer: registered under the same name
+        m.cache.normal_()
+
+    _in_streams(m, body)
+    assert torch.equal(m.cache, _stream("cache", 0, (5,)))
+
+
+def test_unit_ownerless_draw_takes_the_anonymous_stream_and_leaves_the_global_state():
+    m = _Fused()
+    compile_rng.manual_seed(11)
+    drawn = []
+    _in_streams(m, lambda: drawn.append(torch.randn(7)))
+    assert torch.equal(drawn[0], _stream(fqn_streams.ANONYMOUS, 0, (7,)))
+    assert compile_rng.get_state() == (11, 0)
+
+
+def test_unit_freed_storage_is_forgotten():
+    named = fqn_streams._StorageSet()
+    a = torch.empty(1024)
+    named.add(a.untyped_storage(), "a")
+    assert named.get(a.untyped_storage()) == "a"
+    del a
+    b = torch.empty(1024)  # may recycle a's address; it must not inherit a's name
+    assert named.get(b.untyped_storage()) is None
+
+
+def test_unit_no_modules_is_an_error():
+    with pytest.raises(ValueError, match="no nn.Module"):
+        with fqn_streams.fqn_streams([]):
+            pass

@@ -1,0 +1,80 @@
+"""Bad inputs: each error names the op or argument and the fix."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo_ranks import spawn
+
+import compile_rng
+
+
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (lambda x: F.dropout(x, 1.5), "p=1.5 is not a probability"),
+        (lambda x: torch.bernoulli(x, float("nan")), "p=nan is not a probability"),
+        (lambda x: x.to(torch.int64).uniform_(), "dtype torch.int64 has no continuous distribution"),
+        (lambda x: x.exponential_(-1.0), "lambd=-1.0 is not positive"),
+        (lambda x: x.to(torch.bool).normal_(), "floating-point|no continuous distribution"),
+    ],
+    ids=["dropout p>1", "bernoulli p nan", "integer uniform_", "negative rate", "bool normal_"],
+)
+def test_bad_arguments_are_named(fn, match):
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(fn, backend=compile_rng.backend(inner="aot_eager"))(torch.ones(4))
+
+
+def test_bad_arguments_on_dtensors_in_eager():
+    from dtensor_reference import fake_rank, local_zeros
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    with fake_rank(0, 2):
+        mesh = DeviceMesh("cpu", [0, 1])
+        x = local_zeros((4, 2), mesh, [Shard(0)])
+        with pytest.raises((ValueError, RuntimeError), match="floating-point|no continuous distribution"):
+            x.to(torch.int32).normal_()
+        with pytest.raises(ValueError, match="is not a probability"):
+            x.bernoulli_(-0.5)
+
+
+def test_generator_argument_in_an_eager_segment_is_named():
+    def fn(x):
+        return x + torch.rand(4, generator=torch.Generator().manual_seed(0))  # Dynamo runs it eagerly
+
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match="generator= inside compile_rng's stream; drop the argument"):
+        compile_rng.compile(fn, inner="aot_eager")(torch.ones(4))
+
+
+def test_dtensor_operands_from_another_mesh_or_plain_tensors_are_refused():
+    from dtensor_reference import fake_rank, local_zeros
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with fake_rank(0, 2):
+        mesh, reversed_mesh = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [1, 0])
+        x = local_zeros((4, 4), mesh, [Shard(0)])
+        p = DTensor.from_local(torch.full((2, 4), 0.5), reversed_mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"bernoulli_.Tensor: an operand lives on the cpu mesh of ranks \[1, 0\]"):
+            x.clone().bernoulli_(p)
+        with pytest.raises(ValueError, match="mixes a torch.Tensor operand with a DTensor"):
+            x.clone().bernoulli_(torch.full((2, 4), 0.5))
+
+
+def _operand_layout_worker(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
+    probabilities = torch.tensor([[1.0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4])  # rows 0-1 certain, rows 2-3 never
+    for placement in ([Replicate()], [Shard(1)], [Shard(0)]):
+        p = distribute_tensor(probabilities, mesh, placement)
+        got = x.clone().bernoulli_(p).to_local()
+        assert torch.equal(got, torch.full((2, 4), 1.0 if rank == 0 else 0.0)), (placement, got)
+
+
+@pytest.mark.slow
+def test_bernoulli_probabilities_in_another_layout_follow_the_target_shard_on_real_ranks():
+    spawn(_operand_layout_worker, 2)

@@ -1,0 +1,78 @@
+"""Ranks that disagree are named, never silently desynchronized: ``verify=True`` /
+``COMPILE_RNG_VERIFY`` before compiled calls, and ranks outside an op's mesh."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo_ranks import spawn
+
+import compile_rng
+
+
+def _verify_worker(rank: int, world: int, scenario: str) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+    compile_rng.manual_seed(7 + rank if scenario == "seeds" else 7)
+    if scenario == "extra-op":
+        # Both ranks run the first eager op on the mesh (it checks that they agree), then
+        # only rank 1 runs another (eager DTensor random ops after that are collective-free).
+        torch.rand_like(x)
+        if rank == 1:
+            torch.rand_like(x)
+    fn = torch.compile(lambda t: F.dropout(t + 1, 0.5), backend=compile_rng.backend(inner="aot_eager", verify=True))
+    try:
+        fn(x)
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        message = str(e)
+    else:
+        message = ""
+    expected = {"seeds": "seed: ranks [0] have 7; ranks [1] have 8", "extra-op": "offset: ranks [0] have 32; ranks [1] have 64", "agree": ""}
+    assert expected[scenario] in message and bool(message) == bool(expected[scenario]), message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["agree", "seeds", "extra-op"])
+def test_verify_names_the_diverging_ranks_on_every_rank(scenario):
+    spawn(_verify_worker, 2, scenario)
+
+
+def test_verify_env_variable(monkeypatch):
+    from compile_rng import verify
+
+    monkeypatch.setenv("COMPILE_RNG_VERIFY", "1")
+    assert verify.enabled(False)
+    monkeypatch.setenv("COMPILE_RNG_VERIFY", "0")
+    assert not verify.enabled(False)
+
+
+def _outside_sub_mesh_worker(rank: int, world: int) -> None:
+    from dtensor_reference import uniform
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    sub = DeviceMesh("cpu", [0])  # rank 1 is not in it
+    local = torch.zeros(4, 3) if rank == 0 else torch.zeros(0)
+    t = DTensor.from_local(local, sub, [Replicate()], run_check=False)
+    compile_rng.manual_seed(4)
+    eager = [torch.rand_like(t), t.clone().exponential_()]
+    compiled = torch.compile(lambda u: torch.rand_like(u), backend=compile_rng.backend(inner="aot_eager"))(t)
+    if rank == 0:
+        assert torch.equal(eager[0].to_local(), uniform(4, list(range(12)), (4, 3)))
+        assert torch.equal(compiled.to_local(), uniform(4, list(range(24, 36)), (4, 3)))
+        assert compile_rng.get_state() == (4, 36)
+    else:  # documented: a rank outside the op's mesh runs nothing and keeps its state
+        assert all(o.to_local().numel() == 0 for o in (*eager, compiled))
+        assert compile_rng.get_state() == (4, 0)
+    # the divergence this leaves is caught by the next verified call on a common mesh
+    world_mesh = init_device_mesh("cpu", (world,))
+    w = DTensor.from_local(torch.zeros(2), world_mesh, [Replicate()], run_check=False)
+    fn = torch.compile(lambda u: torch.rand_like(u), backend=compile_rng.backend(inner="aot_eager", verify=True))
+    with pytest.raises(RuntimeError, match=r"offset: ranks \[0\] have 36; ranks \[1\] have 0"):
+        fn(w)
+
+
+@pytest.mark.slow
+def test_rank_outside_a_sub_mesh_skips_the_op_and_verify_reports_the_divergence():
+    spawn(_outside_sub_mesh_worker, 2)
