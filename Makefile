@@ -35,6 +35,7 @@ test-all: setup
 	$(VENV)/bin/pytest -q
 
 bench: setup
+	$(PY) benchmarks/bench_import.py
 	$(PY) benchmarks/bench_random.py
 	$(PY) benchmarks/bench_init.py
 	$(PY) benchmarks/bench_init_ranks.py

@@ -16,6 +16,7 @@ import time
 CASES = {
     "import torch": ["-c", "import torch"],
     "import compile_rng": ["-c", "import compile_rng"],
+    "import torch + DTensor": ["-c", "import torch.distributed.tensor"],
     "import compile_rng + DTensor": ["-c", "import compile_rng, torch.distributed.tensor"],
     "python -m compile_rng --help": ["-m", "compile_rng", "--help"],
 }

@@ -1,10 +1,11 @@
-import pytest
-"""The benchmark script runs end to end on small sizes (asserts nothing about speed)."""
+"""The benchmark scripts run end to end on small sizes (asserting nothing about speed)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parent.parent
 
@@ -50,3 +51,14 @@ def test_bench_init_ranks_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"1x0", "2x0", "2x1"}
     assert rows["2x0"]["local_params"] + rows["2x1"]["local_params"] == rows["1x0"]["local_params"]
+
+
+@pytest.mark.slow
+def test_bench_import_smoke():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_import.py"), "--repeat", "1"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line[:32].strip(): line[32:].split() for line in run.stdout.splitlines()[1:]}
+    assert set(rows) == {"import torch", "import compile_rng", "import torch + DTensor", "import compile_rng + DTensor",
+                         "python -m compile_rng --help"}
+    assert rows["import torch"][1] == "1.00x"
