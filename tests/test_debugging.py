@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn
 from dtensor_reference import fake_rank, local_zeros, tracker_start
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 import compile_rng
+from compile_rng.launch import spawn
 
 SEED = 8
 

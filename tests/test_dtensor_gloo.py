@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gloo_ranks import spawn
+
+from compile_rng.launch import spawn
 
 SEED = 99
 

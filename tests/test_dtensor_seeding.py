@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gloo_ranks import spawn
 
 import compile_rng
+from compile_rng.launch import spawn
 
 WORLD = 4
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn
 
 import compile_rng
+from compile_rng.launch import spawn
 
 
 @pytest.mark.parametrize(

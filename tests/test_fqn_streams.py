@@ -14,6 +14,7 @@ from torch import nn
 
 import compile_rng
 from compile_rng import fqn_streams
+from compile_rng.launch import spawn
 
 SEED = 3
 
@@ -194,8 +195,7 @@ def _gloo_configs(rank, world):
 
 @pytest.mark.slow
 def test_fqn_streams_on_tp_fsdp_and_fsdp_tp_gloo():
-    from gloo_ranks import spawn
-
+    
     spawn(_gloo_configs, 4)
 
 

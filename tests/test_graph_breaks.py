@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn
 
 import compile_rng
+from compile_rng.launch import spawn
 
 
 @contextmanager

@@ -4,9 +4,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn
 
 import compile_rng
+from compile_rng.launch import spawn
 
 
 def _verify_worker(rank: int, world: int, scenario: str) -> None:

@@ -14,10 +14,10 @@ meta device as large-model stacks do, then materialized and initialized.
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn
 from torch import nn
 
 import compile_rng
+from compile_rng.launch import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from gloo_ranks import spawn
+
+from compile_rng.launch import spawn
 
 SEED = 42
 

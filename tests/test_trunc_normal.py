@@ -5,10 +5,10 @@ rank's loop would make if its stop test were reduced over the mesh (torch's is n
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn
 
 import compile_rng
 from compile_rng import dispatch_modes
+from compile_rng.launch import spawn
 
 CASES = [  # shape, kwargs: no rejection possible, 3-sigma (a few redraws), 1-sigma (many), narrow, 1-D
     ((64, 48), dict(std=0.02)),
