@@ -132,10 +132,10 @@ def explain_target(world: int = 4):
     """``(forward, (x,))`` of the demo model as rank 0 of a fake ``world``-rank group
     (no communication): what ``python -m compile_rng explain`` reports on."""
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from .torch_internals import fake_store
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     model, mesh = _build(world)
     torch.manual_seed(SEED)
     x = distribute_tensor(torch.ones(BATCH, DIM), mesh, [Replicate()])

@@ -20,13 +20,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
-
 from . import ops as cr_ops
 from . import state
 from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
 from .stream import ceil4, contiguous_strides
+from .torch_internals import (
+    OpOverload,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    detect_fake_mode,
+    get_proxy_mode,
+    pop_dispatch_mode_temporarily,
+)
 
 MODES = ("tracker", "invariant")
 _eager_mode: contextvars.ContextVar[str] = contextvars.ContextVar("compile_rng_mode", default="tracker")
@@ -52,7 +57,7 @@ def mode(name: str) -> Iterator[None]:
         _eager_mode.reset(token)
 
 
-def _out_shape_dtype(func: torch._ops.OpOverload, kw: dict) -> tuple[list, torch.dtype]:
+def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
     """Output shape and dtype of a random op from its normalized arguments."""
     if "size" in kw:
         default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
@@ -92,14 +97,14 @@ class _TensorCall(RandomCall):
         return target(*args, **kwargs)
 
 
-def _normalize(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+def _normalize(func: OpOverload, args: tuple, kwargs: dict) -> dict:
     from torch.fx.operator_schemas import normalize_function
 
     normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
     return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
 
 
-def _generator_error(func: torch._ops.OpOverload) -> NotImplementedError:
+def _generator_error(func: OpOverload) -> NotImplementedError:
     return NotImplementedError(
         f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
         "argument (seed with compile_rng.manual_seed) or call it outside"
@@ -166,7 +171,7 @@ class RandomOpMode(TorchDispatchMode):
             log.append(Counters(key, offset, tuple(strides), tuple(size)))
         inplace = func is not functional
         # Writing straight into the target needs real values (not while a graph is traced).
-        direct = inplace and get_proxy_mode() is None and torch._guards.detect_fake_mode() is None
+        direct = inplace and get_proxy_mode() is None and detect_fake_mode() is None
         call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
         result = RULES[functional](call)
         if inplace:
@@ -230,8 +235,8 @@ def in_compiled_call() -> bool:
 def graph_call() -> Iterator[None]:
     """Around a compiled graph: its ops skip :func:`compiled_call`'s mode (their random
     ops are functional already), which saves a Python dispatch per op."""
-    if isinstance(_get_current_dispatch_mode(), _SegmentMode):
-        with _pop_mode_temporarily():
+    if isinstance(current_dispatch_mode(), _SegmentMode):
+        with pop_dispatch_mode_temporarily():
             yield
     else:
         yield

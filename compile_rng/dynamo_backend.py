@@ -23,7 +23,7 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
 
-from . import dispatch_modes, state, tracker, verify
+from . import dispatch_modes, state, torch_internals, tracker, verify
 from .dumps import write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
@@ -35,7 +35,7 @@ def _caches_off():
     # The pass's result (the total advance) lives outside the compiled artifact, so a
     # cached artifact would come back without it: compile_rng graphs bypass the FX
     # graph and AOTAutograd caches (Inductor's compiled-kernel cache still applies).
-    return torch._functorch.config.patch(enable_autograd_cache=False)
+    return torch_internals.autograd_cache_off()
 
 
 @dataclass(frozen=True)
@@ -79,27 +79,21 @@ class _AdvanceFn:
 
 
 def _decompositions() -> dict:
-    from torch._inductor.decomposition import select_decomp_table
-
     # The rewrite handles these itself; Inductor's decompositions would change their values.
     handled = set(RULES) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
-    return {op: fn for op, fn in select_decomp_table().items() if op not in handled}
+    return {op: fn for op, fn in torch_internals.inductor_decompositions().items() if op not in handled}
 
 
 def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan) -> Callable:
     rewrite = functools.partial(_rewrite_module, plan=plan)
     if cfg.inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
         from . import lowering  # noqa: F401  (registers the lowerings)
 
         patches = {"fx_graph_cache": False, "joint_custom_pre_pass": lambda g: functionalize_rng(g, plan)}
         with _caches_off():
-            return compile_fx(gm, inputs, config_patches=patches, decompositions=_decompositions())
+            return torch_internals.inductor_compile(gm, inputs, patches, _decompositions())
 
     from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import default_partition
 
     def fw(g, _inputs):
         rewrite(g)
@@ -107,13 +101,13 @@ def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: R
 
     def partition(joint, joint_inputs, **kw):
         rewrite(joint)
-        return default_partition(joint, joint_inputs, **kw)
+        return torch_internals.default_partition(joint, joint_inputs, **kw)
 
     # The random ops Inductor decomposes (rrelu's noise into uniform) are decomposed here
     # too, so the pass sees the same random ops whichever compiler follows it.
     random_decompositions = {op: fn for op, fn in _decompositions().items() if is_random(op)}
     with _caches_off():
-        return aot_autograd(
+        return torch_internals.aot_autograd(
             fw_compiler=fw, bw_compiler=fw, partition_fn=partition, decompositions=random_decompositions
         )(gm, inputs)
 
@@ -131,33 +125,27 @@ def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphM
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     output = graph.graph_copy(gm.graph, env)
-    for old, new in env.items():
-        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None):
         key = graph.placeholder("compile_rng_key")
     # AOTAutograd maps Dynamo inputs to user sources; the key has none (like the
     # intermediate inputs DDPOptimizer creates).
-    key._dynamo_source = None
+    torch_internals.mark_sourceless_input(key)
     graph.output(output)
     example = make_key(0, 0)
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    fake_mode = torch_internals.detect_fake_mode(example_inputs)
     if fake_mode is not None:
         example = fake_mode.from_tensor(example, static_shapes=True)
     key.meta["example_value"] = key.meta["val"] = example
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
-    if hasattr(gm, "_param_name_to_source"):
-        new_gm._param_name_to_source = gm._param_name_to_source
+    torch_internals.copy_dynamo_input_sources(gm, new_gm, env)
     return new_gm, [*example_inputs, example]
 
 
 def _graph_name(gm: fx.GraphModule) -> str:
     """``<function>.<compile id>`` of the graph Dynamo hands over (for file names)."""
-    ctx = torch._guards.TracingContext.try_get()
-    codes = getattr(ctx, "traced_code", None) or []
-    func = codes[0].co_name if codes else "graph"
+    func = torch_internals.traced_code_name() or "graph"
     compile_id = str(gm.meta.get("dynamo_compile_id", "0")).replace("/", "_")
     return f"{func.strip('<>')}.{compile_id}"
 

@@ -36,11 +36,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from . import state
 from .random_ops import is_random
+from .torch_internals import OpOverload, TorchDispatchMode, local_tensor, op_arguments, storage_weak_ref, tree_leaves
 
 _DOMAIN = b"compile_rng/fqn/v1"
 ANONYMOUS = "<anonymous>"
@@ -74,7 +73,7 @@ def _storage_of(t: object) -> torch.UntypedStorage | None:
     """The storage holding ``t``'s values on this rank (a DTensor's local shard)."""
     if not isinstance(t, torch.Tensor):
         return None
-    local = getattr(t, "_local_tensor", t)
+    local = local_tensor(t)
     if type(local) is not torch.Tensor and not isinstance(local, nn.Parameter):
         return None  # other subclasses (fake, functional) hold no storage of their own
     if local.is_meta or local.numel() == 0:
@@ -91,13 +90,10 @@ class _StorageSet:
     so a new tensor that recycles the address is not mistaken for the old one."""
 
     def __init__(self) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef  # weak ref to a storage, torch 2.13-2.15
-
-        self._ref = StorageWeakRef
         self._items: dict[int, tuple[object, str]] = {}
 
     def add(self, storage: torch.UntypedStorage, value: str) -> None:
-        self._items[_key(storage)] = (self._ref(storage), value)
+        self._items[_key(storage)] = (storage_weak_ref(storage), value)
 
     def get(self, storage: torch.UntypedStorage | None) -> str | None:
         if storage is None:
@@ -152,10 +148,10 @@ def _user_frame() -> str:
     return "?"
 
 
-def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _written(func: OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes into (in-place targets and ``out=``)."""
     written = []
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_arguments(func)):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)

@@ -13,9 +13,10 @@ import torch
 from . import dispatch_modes, state
 from .dynamo_backend import backend
 from .fqn_streams import fqn_streams, modules_in
+from .torch_internals import compile_failures
 
 
-_COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+_COMPILE_FAILURES = compile_failures()
 
 
 def init(

@@ -18,6 +18,7 @@ wrapped to also call :func:`manual_seed`                    restarts compile_rng
 in-place ops DTensor leaves unrouted (``exponential_``...)
 ==========================================================  ========================================
 
+The private torch names these touch are read through :mod:`compile_rng.torch_internals`.
 The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
 already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
 within a third of ``import torch``.
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import state, trunc_normal
+from . import state, torch_internals, trunc_normal
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 
@@ -78,19 +79,16 @@ def uninstall() -> None:
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
             # Dynamo, imported after install(), wrapped our hook in torch._disable_dynamo
             # (torch/_dynamo/__init__.py, 2.13-2.15); keep its wrapper around torch's own.
-            torch.manual_seed = torch._disable_dynamo(_stock["manual_seed"])
+            torch.manual_seed = torch_internals.disable_dynamo(_stock["manual_seed"])
         else:
             torch.manual_seed = _stock["torch_manual_seed"]
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
     if "rng_tracker" in _stock:
-        import torch.distributed.tensor._random as dtensor_random
-        from torch.distributed.tensor import DTensor
-
         from . import tracker
 
-        dtensor_random._rng_tracker = _stock["rng_tracker"]
-        dtensor_random.is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        torch_internals.set_rng_tracker(_stock["rng_tracker"])
+        torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
+        handlers = torch_internals.dtensor_op_handlers()
         for op in tracker.UNROUTED:
             if handlers.get(op) is tracker.inplace_handler:
                 del handlers[op]
@@ -126,14 +124,12 @@ def _import_tracker(_dtensor: ModuleType) -> None:
 def _install_tracker(tracker: ModuleType) -> None:
     # Again on every install(): torch's own code may have replaced the tracker (tests
     # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
-    import torch.distributed.tensor._random as dtensor_random
-    from torch.distributed.tensor import DTensor
-
+    dtensor_random = torch_internals.dtensor_random()
     if "rng_tracker" not in _stock:
-        _stock.update(rng_tracker=dtensor_random._rng_tracker, is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh)
+        _stock.update(rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh)
         dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
-    dtensor_random._rng_tracker = tracker.TRACKER
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    torch_internals.set_rng_tracker(tracker.TRACKER)
+    handlers = torch_internals.dtensor_op_handlers()
     for op in tracker.UNROUTED:
         handlers[op] = tracker.inplace_handler
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import sympy
 import torch
-from torch._inductor import ir
-from torch._inductor.lowering import fallback_handler, register_lowering
-from torch._inductor.virtualized import ops
 
 from . import stream
 from .stream import MASK32
+from .torch_internals import OpOverload, fallback_handler, register_lowering
+from .torch_internals import inductor_ir as ir
+from .torch_internals import inductor_ops as ops
 
 
 class InductorMath:
@@ -119,7 +119,7 @@ def _pointwise(
     )
 
 
-def _register(op: torch._ops.OpOverload) -> Callable:
+def _register(op: OpOverload) -> Callable:
     return register_lowering(op, type_promotion_kind=None)
 
 
@@ -138,7 +138,7 @@ def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dty
     return numel >= EXTERN_MIN_NUMEL and _contiguous_stream([int(s) for s in size], [int(s) for s in strides])
 
 
-def _extern(op: torch._ops.OpOverload, *args: Any) -> Any:
+def _extern(op: OpOverload, *args: Any) -> Any:
     return fallback_handler(op, add_to_fallback_set=False)(*args)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.compile_rng)
+from .torch_internals import OpOverload, op_name
 
 aten = torch.ops.aten
 cr = torch.ops.compile_rng
@@ -32,7 +33,7 @@ class RandomCall(ABC):
     works with: FX nodes in the graph pass, tensors at dispatch time.
     """
 
-    op: torch._ops.OpOverload  # the functional overload
+    op: OpOverload  # the functional overload
     dtype: torch.dtype  # output dtype
 
     @abstractmethod
@@ -47,7 +48,7 @@ class RandomCall(ABC):
         """Counter strides, one per output dim."""
 
     @abstractmethod
-    def emit(self, target: torch._ops.OpOverload, *args: Any) -> Any: ...
+    def emit(self, target: OpOverload, *args: Any) -> Any: ...
 
     @abstractmethod
     def apply(self, target: Callable, *args: Any) -> Any: ...
@@ -167,7 +168,7 @@ def _random(call: RandomCall) -> Any:
     return _randint(call, low, _random_default_high(call.dtype) if high is None else high)
 
 
-RULES: dict[torch._ops.OpOverload, Callable[[RandomCall], Any]] = {
+RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
     aten.rand.default: _uniform,
     aten.rand_like.default: _uniform,
     aten.uniform.default: _uniform,
@@ -196,7 +197,7 @@ RULES: dict[torch._ops.OpOverload, Callable[[RandomCall], Any]] = {
 }
 
 #: In-place random ops and the functional overload whose rule replaces them.
-INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
+INPLACE: dict[OpOverload, OpOverload] = {
     aten.uniform_.default: aten.uniform.default,
     aten.normal_.default: aten.normal_functional.default,
     aten.exponential_.default: aten.exponential.default,
@@ -213,7 +214,7 @@ INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
 
 def is_random(op: object) -> bool:
     """Whether ``op`` is an aten overload that may draw from a generator."""
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 # The ``nondeterministic_seeded`` tag says "may be random", not "is random for these
@@ -225,9 +226,9 @@ _NO_DROPOUT = {"dropout_p": 0.0, "dropout": 0.0, "train": False, "training": Fal
 _NEVER_DRAWS = {"_fused_sdp_choice", "_nested_tensor_softmax_with_shape", "_cudnn_attention_forward_no_dropout_inplace"}
 
 
-def draws(op: torch._ops.OpOverload, kw: dict) -> bool:
+def draws(op: OpOverload, kw: dict) -> bool:
     """Whether a call of random-tagged ``op`` with normalized arguments ``kw`` draws."""
-    if op._opname in _NEVER_DRAWS:
+    if op_name(op) in _NEVER_DRAWS:
         return False
     return not any(name in kw and kw[name] == off for name, off in _NO_DROPOUT.items())
 
@@ -268,6 +269,6 @@ _DEFAULT_FIX = (
 )
 
 
-def unsupported(op: torch._ops.OpOverload) -> NotImplementedError:
-    why, fix = _FIXES.get(op._opname, _DEFAULT_FIX)
+def unsupported(op: OpOverload) -> NotImplementedError:
+    why, fix = _FIXES.get(op_name(op), _DEFAULT_FIX)
     return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")

@@ -25,12 +25,13 @@ from typing import Any
 
 import sympy
 import torch
-from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from .stream import ceil4, contiguous_strides
+from .torch_internals import StridedShard, split_factor
 
 # Placements that split a tensor dim across a mesh dim (_StridedShard is not a Shard).
-SHARDS = (Shard, _StridedShard)
+SHARDS = (Shard, StridedShard)
 
 
 @dataclass(frozen=True)
@@ -144,10 +145,10 @@ class _DimView:
         )
 
     def split(self, p: Any, n: int, r: Any, sharding: "Sharding") -> "_DimView":
-        if isinstance(p, _StridedShard):
+        if isinstance(p, StridedShard):
             if len(self.factors) != 1:
                 raise self._unsupported(sharding, "a _StridedShard of an already strided dim")
-            (size, stride), sf = self.factors[0], p.split_factor
+            (size, stride), sf = self.factors[0], split_factor(p)
             if not (_static(size) and size % sf == 0 and (size // sf) % n == 0):
                 raise self._unsupported(sharding, "uneven _StridedShard pieces")
             piece, chunk = size // sf, size // sf // n
@@ -208,7 +209,7 @@ def _first_chunk(p: Any, size: Any, n: int) -> Any:
     """
     if isinstance(p, Shard):
         return _min((size + n - 1) // n, size)
-    sf = p.split_factor
+    sf = split_factor(p)
     piece = (size + sf - 1) // sf
     total = 0
     for k in range(sf):

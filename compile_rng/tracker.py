@@ -28,13 +28,25 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._random import OffsetBasedRNGTracker
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops as cr_ops
 from . import state, verify
 from .dispatch_modes import RandomOpMode, current_mode
 from .spmd import Sharding
+from .torch_internals import (
+    OffsetBasedRNGTracker,
+    detect_fake_mode,
+    disable_dynamo,
+    distribute_region,
+    dtensor_op_handlers,
+    dtensor_spec,
+    get_proxy_mode,
+    local_tensor_mode_enabled,
+    mesh_coordinate_of_rank,
+    rng_tracker,
+    symbolic_mesh_coordinate,
+    traced_graph,
+)
 
 aten = torch.ops.aten
 
@@ -76,7 +88,7 @@ _site_ids = itertools.count()
 
 def _traced_node(site_id: int) -> torch.fx.Node:
     """The ``pending_key(site_id)`` node the proxy tracer just recorded."""
-    for node in reversed(get_proxy_mode().tracer.graph.nodes):
+    for node in reversed(traced_graph().nodes):
         if node.target is torch.ops.compile_rng.pending_key.default and node.args[0] == site_id:
             return node
     raise RuntimeError(f"compile_rng internal error: the traced graph has no pending_key({site_id}) node")
@@ -99,11 +111,8 @@ def tracing_for_backend(mode: str) -> Iterator[None]:
 
 def _coordinates(mesh: Any, symbolic: bool) -> list:
     if symbolic:
-        with torch.distributed.config.patch(compile_on_one_rank=True):
-            return [mesh._sym_get_coordinate(d) for d in range(mesh.ndim)]
-    # From the current rank, like the runtime op compiled graphs use (a mesh object
-    # cached from another process-group incarnation must not leak its coordinate).
-    coords = type(mesh)._compute_coordinates_from_mesh(mesh.mesh, torch.distributed.get_rank())
+        return symbolic_mesh_coordinate(mesh)
+    coords = mesh_coordinate_of_rank(mesh, torch.distributed.get_rank())
     if coords is None:
         raise RuntimeError(
             f"compile_rng: this rank ({torch.distributed.get_rank()}) is not part of the mesh "
@@ -130,23 +139,19 @@ class Tracker(OffsetBasedRNGTracker):
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
-    # torch._disable_dynamo (torch 2.13-2.15, what torch.manual_seed uses) imports Dynamo
-    # at the first call, not here: `import compile_rng` stays light.
-    @torch._disable_dynamo
+    @disable_dynamo
     @contextlib.contextmanager
     def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
         if spec.mesh.device_type != "cpu":
             fallback = self._fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled
-            with fallback._distribute_region(spec, generator):
+            with distribute_region(fallback, spec, generator):
                 yield
             return
         if not self.distribute_region_enabled:
             yield
             return
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-
-        if enabled_local_tensor_mode():
+        if local_tensor_mode_enabled():
             # LocalTensorMode simulates every rank in one process; the coordinate here would
             # be the process's rank for all of them (identical shards), and torch's own
             # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
@@ -163,7 +168,7 @@ class Tracker(OffsetBasedRNGTracker):
                 "compile_rng.manual_seed / torch.manual_seed on every rank."
             )
         sharding.check("DTensor random op")
-        tracing = torch._guards.detect_fake_mode() is not None
+        tracing = detect_fake_mode() is not None
         if tracing and get_proxy_mode() is None:
             # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
             yield
@@ -248,9 +253,7 @@ def inplace_handler(op_call, args, kwargs):
         # nothing and does not advance its state.
         return target
     local_args = [target.to_local(), *(_local_operand(op_call, target, a) for a in args[1:])]
-    import torch.distributed.tensor._random as dtensor_random
-
-    with dtensor_random._rng_tracker._distribute_region(target._spec):
+    with distribute_region(rng_tracker(), dtensor_spec(target)):
         op_call(*local_args, **kwargs)
     return target
 
@@ -262,7 +265,7 @@ def _stock_dispatch(op_call, args, kwargs):
     """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
     (accelerator meshes keep stock semantics). DTensor's C++ entry point reads the
     handler table on every op, so the handler steps out of it for this one call."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = dtensor_op_handlers()
     with _stock_lock:
         mine = handlers.pop(op_call)
         try:
@@ -276,6 +279,4 @@ TRACKER = Tracker()
 
 def installed() -> bool:
     """Whether compile_rng's tracker is DTensor's tracker."""
-    import torch.distributed.tensor._random as dtensor_random
-
-    return dtensor_random._rng_tracker is TRACKER
+    return rng_tracker() is TRACKER

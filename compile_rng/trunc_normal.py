@@ -34,9 +34,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import dispatch_modes, state
+from .torch_internals import disable_dynamo, dispatch_mode_stack
 from .cpu_kernel import normal_f32_at
 
 _TORCH_TRUNC_NORMAL = torch.nn.init.trunc_normal_
@@ -61,7 +61,7 @@ def _on_the_stream(tensor: torch.Tensor) -> bool:
         from . import tracker
 
         return tensor.device_mesh.device_type == "cpu" and tracker.installed()
-    return any(isinstance(m, dispatch_modes.RandomOpMode) for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, dispatch_modes.RandomOpMode) for m in dispatch_mode_stack())
 
 
 def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:
@@ -99,7 +99,7 @@ def _any_on_mesh(flag: bool, tensor: torch.Tensor) -> bool:
     return bool(value.item())
 
 
-@torch._disable_dynamo  # reads values and the state: always eager (Dynamo imported lazily)
+@disable_dynamo  # reads values and the state: always eager (Dynamo imported lazily)
 def trunc_normal_(
     tensor: torch.Tensor,
     mean: float = 0.0,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import state
+from .torch_internals import disable_dynamo
 
 
 def enabled(flag: object) -> bool:
@@ -111,7 +112,7 @@ def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
 _checked: set[tuple] = set()
 
 
-@torch._disable_dynamo  # eager only: it communicates and reads the state (Dynamo imported lazily)
+@disable_dynamo  # eager only: it communicates and reads the state (Dynamo imported lazily)
 def check_mesh_once(mesh) -> None:
     """Raise on the mesh's ranks unless they all hold the same ``(seed, offset)``; runs a
     collective over the mesh once per mesh and seeding (every rank of the mesh must

@@ -46,11 +46,11 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
-from torch.utils._sympy.functions import FloorDiv
 
 from compile_rng import tracker
 from compile_rng.random_ops import RULES, RandomCall, draws, is_random, unsupported
 from compile_rng.spmd import Sharding, contiguous_strides
+from compile_rng.torch_internals import FloorDiv, detect_fake_mode
 
 from .sym_emit import SymEmitter, emit_binary
 
@@ -164,7 +164,7 @@ class _GraphCall(RandomCall):
     def apply(self, target, *args, **kwargs):
         node = self.node.graph.call_function(target, args, kwargs)
         node.meta.update({k: v for k, v in self.node.meta.items() if k != "val"})
-        fake_mode = torch._guards.detect_fake_mode([self.key.meta["val"]])
+        fake_mode = detect_fake_mode([self.key.meta["val"]])
         with fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
         return node
@@ -272,7 +272,7 @@ def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """A call node with its fake value computed from its arguments' values."""
     node = graph.call_function(target, args)
     vals = fx.node.map_arg(args, lambda n: n.meta["val"])
-    with torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
+    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
         node.meta["val"] = target(*vals)
     return node
 

@@ -11,7 +11,8 @@ import operator
 import sympy
 import torch
 from torch import fx
-from torch.utils._sympy.functions import CeilDiv, FloorDiv, Mod, PythonMod
+
+from compile_rng.torch_internals import CeilDiv, FloorDiv, Mod, PythonMod
 
 
 class SymEmitter:

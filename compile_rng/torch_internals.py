@@ -1,0 +1,290 @@
+"""Every private torch API compile_rng reads, in one place.
+
+Each item says why compile_rng needs it; all were checked on torch 2.13.0 and 2.15.0
+(2.14 has the same modules). The changes compile_rng *makes* to torch live in
+:mod:`compile_rng.installation`, which reads them through this module.
+
+Nothing heavy is imported here at module import: DTensor, Dynamo, Inductor and sympy
+come in through functions, or through the lazy names of :data:`_LAZY`
+(``from compile_rng.torch_internals import register_lowering`` imports Inductor then).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import fx
+
+# --- dispatch: compile_rng's own dispatch modes ----------------------------------------
+# TorchDispatchMode and the mode-stack helpers are torch.utils._python_dispatch's (no
+# public home in 2.13-2.15); the proxy mode tells a traced graph from eager execution.
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode_temporarily as pop_dispatch_mode_temporarily
+from torch.utils._pytree import tree_leaves  # the leaves of an op's (args, kwargs)
+
+__all__ = [  # and the lazy names of _LAZY, added below
+    "OpOverload",
+    "TorchDispatchMode",
+    "aot_autograd",
+    "autograd_cache_off",
+    "compile_failures",
+    "copy_dynamo_input_sources",
+    "current_dispatch_mode",
+    "default_partition",
+    "detect_fake_mode",
+    "disable_dynamo",
+    "distribute_region",
+    "dispatch_mode_stack",
+    "dtensor_op_handlers",
+    "dtensor_random",
+    "dtensor_spec",
+    "fake_store",
+    "get_proxy_mode",
+    "inductor_compile",
+    "inductor_decompositions",
+    "local_tensor",
+    "local_tensor_mode_enabled",
+    "mark_sourceless_input",
+    "mesh_coordinate_of_rank",
+    "op_arguments",
+    "op_name",
+    "pop_dispatch_mode_temporarily",
+    "rng_tracker",
+    "set_rng_tracker",
+    "split_factor",
+    "storage_weak_ref",
+    "symbolic_mesh_coordinate",
+    "traced_code_name",
+    "traced_graph",
+    "tree_leaves",
+]
+
+
+# The type of an aten op overload (``aten.rand.default``), for annotations.
+OpOverload = torch._ops.OpOverload
+
+# Functions Dynamo must graph-break on (they read values or the state, or communicate).
+# torch._disable_dynamo imports Dynamo at the first call, not at decoration: importing
+# compile_rng stays light. torch uses it for torch.manual_seed.
+disable_dynamo = torch._disable_dynamo
+
+
+def detect_fake_mode(inputs: Any = None) -> Any:
+    """The active FakeTensorMode (of ``inputs``), or None: are we tracing?"""
+    return torch._guards.detect_fake_mode(inputs)
+
+
+def traced_graph() -> fx.Graph:
+    """The graph the active proxy tracer records (the tracker annotates its nodes)."""
+    return get_proxy_mode().tracer.graph
+
+
+def op_name(op: OpOverload) -> str:
+    """``aten.foo.bar`` -> ``foo`` (tables of op families are keyed by it)."""
+    return op._opname
+
+
+def op_arguments(op: OpOverload) -> list:
+    """The schema's arguments, with ``alias_info`` telling which ones an op writes."""
+    return op._schema.arguments
+
+
+def storage_weak_ref(storage: torch.UntypedStorage) -> Any:
+    """A weak reference to a storage (``expired()`` once freed): per-name streams must
+    not mistake a recycled address for a freed tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(storage)
+
+
+# --- Dynamo, AOTAutograd and Inductor: the backend ---------------------------------------
+
+
+def compile_failures() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when a function does not compile (``@compile_rng.init`` then
+    runs it eagerly on the stream)."""
+    import torch._dynamo.exc as exc
+
+    return (exc.TorchDynamoException, exc.FailOnRecompileLimitHit)
+
+
+def autograd_cache_off() -> Any:
+    """A context without AOTAutograd's cache: the pass's result (the total advance) lives
+    outside the cached artifact."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table (the aot_eager path applies the same ones)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile(gm: fx.GraphModule, inputs: list, config_patches: dict, decompositions: dict) -> Any:
+    """Inductor's ``compile_fx`` with config patches: ``joint_custom_pre_pass`` is where
+    the pass runs on the joint graph, before partitioning."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, inputs, config_patches=config_patches, decompositions=decompositions)
+
+
+def aot_autograd(**kwargs: Any) -> Any:
+    """Dynamo's AOTAutograd backend factory (the aot_eager path, with our partition)."""
+    from torch._dynamo.backends.common import aot_autograd as factory
+
+    return factory(**kwargs)
+
+
+def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+    """AOTAutograd's default partitioner, run after the pass rewrote the joint graph."""
+    from torch._functorch.partitioners import default_partition as partition
+
+    return partition(joint, joint_inputs, **kwargs)
+
+
+def copy_dynamo_input_sources(old: fx.GraphModule, new: fx.GraphModule, env: dict) -> None:
+    """Dynamo's input sources onto a copied graph: AOTAutograd maps inputs to user
+    sources through them (``_dynamo_source``, ``_param_name_to_source``)."""
+    for before, after in env.items():
+        if before.op == "placeholder" and hasattr(before, "_dynamo_source"):
+            after._dynamo_source = before._dynamo_source
+    if hasattr(old, "_param_name_to_source"):
+        new._param_name_to_source = old._param_name_to_source
+
+
+def mark_sourceless_input(node: fx.Node) -> None:
+    """An added graph input with no user source (like DDPOptimizer's intermediates)."""
+    node._dynamo_source = None
+
+
+def traced_code_name() -> str | None:
+    """The name of the function Dynamo is compiling (dump file names)."""
+    ctx = torch._guards.TracingContext.try_get()
+    codes = getattr(ctx, "traced_code", None) or []
+    return codes[0].co_name if codes else None
+
+
+# --- DTensor ---------------------------------------------------------------------------
+
+
+def dtensor_random() -> Any:
+    """``torch.distributed.tensor._random``: the module whose ``_rng_tracker`` DTensor
+    runs random ops in, and whose ``is_rng_supported_mesh`` its seeding asks."""
+    import torch.distributed.tensor._random as module
+
+    return module
+
+
+def rng_tracker() -> Any:
+    """DTensor's RNG tracker (None until one is made)."""
+    return dtensor_random()._rng_tracker
+
+
+def set_rng_tracker(tracker: Any) -> None:
+    dtensor_random()._rng_tracker = tracker
+
+
+def distribute_region(tracker: Any, spec: Any, generator: Any = None) -> Any:
+    """The region a DTensor RNG tracker runs a random op's local op in (the protocol
+    DTensor's dispatch calls)."""
+    return tracker._distribute_region(spec, generator)
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's per-op custom handlers (in-place random ops DTensor runs without a
+    tracker region get one that opens it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_spec(dtensor: Any) -> Any:
+    """A DTensor's ``DTensorSpec`` (mesh, placements, shape): what the tracker receives."""
+    return dtensor._spec
+
+
+def local_tensor(tensor: Any) -> Any:
+    """The rank's local shard of a DTensor (``tensor`` itself otherwise), without the
+    autograd-tracked ``to_local()``."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def symbolic_mesh_coordinate(mesh: Any) -> list:
+    """The mesh coordinate as runtime SymInts (``compile_on_one_rank``): one traced graph
+    serves every rank."""
+    with torch.distributed.config.patch(compile_on_one_rank=True):
+        return [mesh._sym_get_coordinate(d) for d in range(mesh.ndim)]
+
+
+def mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
+    """``rank``'s coordinate in ``mesh``, computed as the runtime op does (a mesh object
+    cached from another process-group incarnation must not leak its coordinate)."""
+    return type(mesh)._compute_coordinates_from_mesh(mesh.mesh, rank)
+
+
+def local_tensor_mode_enabled() -> bool:
+    """Whether LocalTensorMode simulates every rank in this process."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    return enabled_local_tensor_mode()
+
+
+def fake_store() -> Any:
+    """The store of the ``fake`` process group (one process acts as any rank, no
+    communication): ``explain`` on a multi-rank model in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def split_factor(placement: Any) -> int:
+    """A ``_StridedShard``'s split factor (FSDP2 x TP lays shards out with it)."""
+    return placement.split_factor
+
+
+# --- names imported on first use ---------------------------------------------------------
+
+# name -> (module, attribute or None for the module itself, why)
+_LAZY: dict[str, tuple[str, str | None, str]] = {
+    "OffsetBasedRNGTracker": (
+        "torch.distributed.tensor._random", "OffsetBasedRNGTracker",
+        "the tracker type DTensor's CUDA dispatch asserts; compile_rng's tracker subclasses it",
+    ),
+    "StridedShard": (
+        "torch.distributed.tensor.placement_types", "_StridedShard",
+        "the placement FSDP2 x TP uses for a dim sharded twice",
+    ),
+    "FloorDiv": ("torch.utils._sympy.functions", "FloorDiv", "the SymInt expressions of offsets and sizes"),
+    "CeilDiv": ("torch.utils._sympy.functions", "CeilDiv", "the SymInt expressions of offsets and sizes"),
+    "Mod": ("torch.utils._sympy.functions", "Mod", "the SymInt expressions of offsets and sizes"),
+    "PythonMod": ("torch.utils._sympy.functions", "PythonMod", "the SymInt expressions of offsets and sizes"),
+    "inductor_ir": ("torch._inductor.ir", None, "the lowerings build Inductor IR"),
+    "register_lowering": ("torch._inductor.lowering", "register_lowering", "lowers the functional ops"),
+    "fallback_handler": (
+        "torch._inductor.lowering", "fallback_handler",
+        "long float32 streams call the C kernel from compiled code",
+    ),
+    "inductor_ops": ("torch._inductor.virtualized", "ops", "the pointwise ops of a lowering's inner function"),
+}
+
+
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attribute, _why = _LAZY[name]
+    value = importlib.import_module(module_name)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
