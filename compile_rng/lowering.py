@@ -29,7 +29,6 @@ import sympy
 import torch
 
 from . import stream
-from .stream import MASK32
 from .torch_internals import OpOverload, fallback_handler, register_lowering
 from .torch_internals import inductor_ir as ir
 from .torch_internals import inductor_ops as ops
@@ -70,31 +69,11 @@ class _Counter:
         self.offset = sympy.sympify(offset)
         self.strides = [sympy.sympify(s) for s in strides]
 
-    def _split(self, index: Sequence[sympy.Expr]) -> tuple[Any, Any, Any]:
-        """``(block_lo, block_hi, lane)`` of the element's 64-bit counter.
-
-        The base is a uint64 in an int64; the sum is carried through 32-bit halves so
-        no int64 addition can overflow.
-        """
-        rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
-        rel = ops.index_expr(rel, _I64)
-        base = self.key_loader([sympy.Integer(1)])
-        c = lambda v: _M.const(v, _I64)  # noqa: E731
-        lo = _M.add(_M.band(base, c(MASK32)), _M.band(rel, c(MASK32)))
-        hi = _M.add(_M.band(_M.shr(base, c(32)), c(MASK32)), _M.shr(rel, c(32)))
-        hi = _M.band(_M.add(hi, _M.shr(lo, c(32))), c(MASK32))
-        lo = _M.band(lo, c(MASK32))
-        block_lo = _M.bor(_M.shr(lo, c(2)), _M.mul(_M.band(hi, c(3)), c(1 << 30)))
-        block_hi = _M.shr(hi, c(2))
-        return block_lo, block_hi, _M.band(lo, c(3))
-
     def block(self, index: Sequence[sympy.Expr], c2: int = 0) -> tuple[list[Any], Any]:
-        seed = self.key_loader([sympy.Integer(0)])
-        key = (
-            _M.band(seed, _M.const(MASK32, _I64)),
-            _M.band(_M.shr(seed, _M.const(32, _I64)), _M.const(MASK32, _I64)),
-        )
-        block_lo, block_hi, lane = self._split(index)
+        rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
+        key = stream.key_words(_M, self.key_loader([sympy.Integer(0)]))
+        base = self.key_loader([sympy.Integer(1)])
+        block_lo, block_hi, lane = stream.block_and_lane(_M, base, ops.index_expr(rel, _I64))
         ctr = [block_lo, block_hi, _M.const(c2, _I64), _M.const(0, _I64)]
         return stream.philox4x32_10(_M, ctr, key), lane
 

@@ -122,6 +122,27 @@ class TensorMath:
 # --- Philox on the Math protocol (int64 values holding uint32 words) -----------------
 
 
+def key_words(m: Math, seed: Any) -> tuple[Any, Any]:
+    """The Philox key ``(seed & 0xffffffff, seed >> 32)`` of a uint64 seed held in an int64."""
+    i64 = torch.int64
+    return m.band(seed, m.const(MASK32, i64)), m.band(m.shr(seed, m.const(32, i64)), m.const(MASK32, i64))
+
+
+def block_and_lane(m: Math, base: Any, rel: Any) -> tuple[Any, Any, Any]:
+    """``(block_lo, block_hi, lane)`` of counter ``n = base + rel`` (mod 2**64): block
+    ``n >> 2`` as two 32-bit words, lane ``n & 3``. ``base`` is a uint64 in an int64 and
+    ``rel`` a non-negative int64; the sum is carried through 32-bit halves, so no int64
+    addition overflows."""
+    i64 = torch.int64
+    c = lambda v: m.const(v, i64)  # noqa: E731
+    lo = m.add(m.band(base, c(MASK32)), m.band(rel, c(MASK32)))
+    hi = m.add(m.band(m.shr(base, c(32)), c(MASK32)), m.shr(rel, c(32)))
+    hi = m.band(m.add(hi, m.shr(lo, c(32))), c(MASK32))
+    lo = m.band(lo, c(MASK32))
+    block_lo = m.bor(m.shr(lo, c(2)), m.mul(m.band(hi, c(3)), c(1 << 30)))
+    return block_lo, m.shr(hi, c(2)), m.band(lo, c(3))
+
+
 def _mulhilo(m: Math, x: Any, multiplier: int) -> tuple[Any, Any]:
     """``(hi, lo)`` words of ``x * multiplier`` with no int64 product above 2**48.
 
