@@ -10,6 +10,9 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   included (the eager code between graphs stays on the stream); :func:`backend` -
   ``torch.compile(fn, backend=compile_rng.backend(...))``, also registered as
   ``backend="compile_rng"`` (its graphs only).
+* :func:`step` - a training step for ``backend(mode="invariant", batched=True)``:
+  activations draw at their rows of the step's global batch, so data parallelism and
+  microbatching leave the values unchanged (:mod:`compile_rng.batches`).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a
   weight-initialization function; :func:`mode` - the counter layout of eager DTensor ops.
 * :func:`dump` (depyf dumps plus annotated graphs before/after the pass) and
@@ -54,6 +57,7 @@ _PUBLIC = {
     "mode": ".dispatch_modes",
     "ops": None,
     "set_state": ".state",
+    "step": ".batches",
     "stream": None,
     "uninstall": ".installation",
 }

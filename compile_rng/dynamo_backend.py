@@ -21,9 +21,9 @@ import sympy
 import torch
 from torch import fx
 
-from compile_rng.passes.functionalize_rng import RngPlan, functionalize_rng
+from compile_rng.passes.functionalize_rng import BATCH_SYMBOLS, ROWS_TOTAL, RngPlan, functionalize_rng
 
-from . import dispatch_modes, state, torch_internals, tracker, verify
+from . import batches, dispatch_modes, state, torch_internals, tracker, verify
 from .dumps import write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
@@ -44,16 +44,18 @@ class BackendConfig:
     inner: str = "inductor"
     collect_unsupported: bool = False  # explain(): list unsupported ops instead of raising
     verify: Any = False  # True or a DeviceMesh / ProcessGroup: check that ranks agree before every call (verify.py)
+    batched: bool = False  # dim 0 of every random op is the step's batch (batches.py)
 
 
-class _AdvanceFn:
-    """Evaluates the graph's total advance for the actual call arguments."""
+class _SizeFn:
+    """Evaluates a size expression of the graph (its total advance, its batch rows) for
+    the actual call arguments; the batch symbols are given per call."""
 
     def __init__(self, expr: sympy.Expr, placeholders: Sequence[fx.Node]):
         self.expr = sympy.sympify(expr)
         self.constant = int(self.expr) if self.expr.is_Integer else None
         self.bindings: list[tuple[sympy.Symbol, int, int | None]] = []
-        needed = self.expr.free_symbols
+        needed = self.expr.free_symbols - set(BATCH_SYMBOLS)
         for i, node in enumerate(placeholders):
             val = node.meta.get("example_value")
             dims = [(None, val)] if isinstance(val, torch.SymInt) else (
@@ -69,13 +71,39 @@ class _AdvanceFn:
                 "which no graph input provides"
             )
 
-    def __call__(self, args: Sequence[Any]) -> int:
+    def __call__(self, args: Sequence[Any], batch: dict | None = None) -> int:
         if self.constant is not None:
             return self.constant
         env = {
             sym: int(args[i] if dim is None else args[i].shape[dim]) for sym, i, dim in self.bindings
         }
-        return int(self.expr.xreplace(env))
+        return int(self.expr.xreplace({**env, **(batch or {})}))
+
+
+class _BatchKey:
+    """A batched graph's rows for a call (:mod:`compile_rng.batches`) and its key."""
+
+    def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node]):
+        self.name = plan.name
+        self.draws = plan.local_rows is not None  # a graph without random ops has no batch
+        self.local_rows = _SizeFn(plan.local_rows if self.draws else 0, placeholders)
+
+    def rows(self, args: Sequence[Any]) -> batches.Rows:
+        count = self.local_rows(args)
+        rows = batches.current_rows()
+        if rows is None or not self.draws:
+            return batches.Rows(0, count, count)
+        if rows.count != count:
+            raise ValueError(
+                f"compile_rng: the batched graph {self.name} draws on activations of {count} rows, but the "
+                f"enclosing compile_rng.step / microbatch holds {rows.count} rows of this rank's batch; "
+                "pass the rows of the batch this call processes"
+            )
+        return rows
+
+    def __call__(self, seed: int, offset: int, rows: batches.Rows) -> torch.Tensor:
+        key = make_key(seed, offset)
+        return torch.cat([key, torch.tensor([rows.start, rows.total], dtype=torch.int64)])
 
 
 def _decompositions() -> dict:
@@ -117,8 +145,9 @@ def _rewrite_module(gm: fx.GraphModule, plan: RngPlan) -> None:
     gm.recompile()
 
 
-def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule, list]:
-    """A copy of ``gm`` with the key placeholder appended, and its example inputs.
+def _with_key_input(gm: fx.GraphModule, example_inputs: list, batched: bool) -> tuple[fx.GraphModule, list]:
+    """A copy of ``gm`` with the key placeholder appended, and its example inputs
+    (a batched graph's key also holds its rows: ``[seed, base, row_start, rows_total]``).
 
     Dynamo keeps using ``gm`` after the backend returns, so it is not modified.
     """
@@ -132,7 +161,7 @@ def _with_key_input(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphM
     # intermediate inputs DDPOptimizer creates).
     torch_internals.mark_sourceless_input(key)
     graph.output(output)
-    example = make_key(0, 0)
+    example = torch.zeros(4 if batched else 2, dtype=torch.int64)
     fake_mode = torch_internals.detect_fake_mode(example_inputs)
     if fake_mode is not None:
         example = fake_mode.from_tensor(example, static_shapes=True)
@@ -178,14 +207,16 @@ class Backend:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         _warn_if_split(gm)
         plan = RngPlan(
-            name=_graph_name(gm), mode=self.config.mode, collect_unsupported=self.config.collect_unsupported
+            name=_graph_name(gm), mode=self.config.mode, collect_unsupported=self.config.collect_unsupported,
+            batched=self.config.batched,
         )
-        keyed_gm, inputs = _with_key_input(gm, list(example_inputs))
+        keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched)
         start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
             compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
         plan.compile_seconds = time.perf_counter() - start
-        advance = _AdvanceFn(plan.total_advance, placeholders)
+        advance = _SizeFn(plan.total_advance, placeholders)
+        key_of = _BatchKey(plan, placeholders) if plan.batched else None
         self.plans.append(plan)
         write_plan(plan)
 
@@ -199,17 +230,24 @@ class Backend:
                     meshes = list({id(op.mesh): op.mesh for op in plan.ops if op.mesh is not None}.values())
                     groups.extend(verify.groups_of(meshes, self.config.verify))
                 verify.check(plan.name, *state.get_state(), graph_signature, groups)
-            seed, offset = state.advance(advance(args))
+            if plan.batched:
+                rows = key_of.rows(args)
+                seed, offset = state.advance(advance(args, {ROWS_TOTAL: rows.total}))
+                key = key_of(seed, offset, rows)
+            else:
+                seed, offset = state.advance(advance(args))
+                key = make_key(seed, offset)
             with dispatch_modes.graph_call():
-                return compiled(*args, make_key(seed, offset))
+                return compiled(*args, key)
 
         return run
 
     def __repr__(self) -> str:
-        return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r})"
+        batched = ", batched=True" if self.config.batched else ""
+        return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r}{batched})"
 
 
-def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False) -> Backend:
+def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False, batched: bool = False) -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
     ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
@@ -223,12 +261,20 @@ def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False)
     graph with none) agree on seed, offset and graph, and raises on every one if not;
     ``verify=mesh`` (or a process group) names the ranks, as a pipeline stage must for
     a graph on plain tensors.
+
+    ``batched=True`` (``mode="invariant"`` only) says that dim 0 of every random op's
+    tensor in these graphs is the batch: the tensor holds this rank's rows of the global
+    batch of a training step (:func:`compile_rng.step`), and every element draws the
+    counter of its index in the global, single-device tensor - so data parallelism and
+    microbatching do not change the values (:mod:`compile_rng.batches`).
     """
+    if batched and mode != "invariant":
+        raise ValueError("compile_rng.backend: batched=True needs mode='invariant' (tracker mode follows eager DTensor)")
     if mode not in dispatch_modes.MODES:
         raise ValueError(f"compile_rng.backend: mode must be one of {dispatch_modes.MODES}, got {mode!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
-    return Backend(BackendConfig(mode, inner, verify=verify))
+    return Backend(BackendConfig(mode, inner, verify=verify, batched=batched))
 
 
 #: The backend registered as ``torch.compile(..., backend="compile_rng")``.

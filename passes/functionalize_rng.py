@@ -33,6 +33,18 @@ Example: ``F.dropout(x, 0.5) + torch.rand(3)`` on a plain ``x`` of 3 elements
 A DTensor op arrives as ``compile_rng.uniform(pending_key(7, cpu), 128*u0, ...)`` (the
 shard's start in the runtime mesh coordinate ``u0``; the node's ``meta`` carries the
 op's sharding) and leaves as ``compile_rng.uniform(arg1_1, base + 128*u0, ...)``.
+
+A *batched* graph (:mod:`compile_rng.batches`) has a 4-element key ``[seed, base,
+row_start, rows_total]``: dim 0 of every op is the batch, the op advances by
+``ceil4(rows_total * row_numel)`` and starts ``row_start * row_numel`` into its range.
+Those terms are runtime values, so they are added to the op's key in the graph (int64
+tensor arithmetic on the key), while the rest of the offset stays a SymInt::
+
+    # a batched graph's dropout on x: (4, 8), after
+    key = slice(arg1_1, 0, 0, 2)     row_start = select(arg1_1, 0, 2)
+    shift = add(slice(key, 0, 1, 2), mul(row_start, 8))
+    dropout_default = torch.ops.compile_rng.dropout.default(cat([slice(key, 0, 0, 1), shift]), 0, arg0_1, [8, 1], 0.5)
+    # the call advances ceil4(rows_total * 8)
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ from torch import fx
 from compile_rng import tracker
 from compile_rng.random_ops import RULES, RandomCall, draws, is_random, unsupported
 from compile_rng.spmd import Sharding, contiguous_strides
-from compile_rng.torch_internals import FloorDiv, detect_fake_mode
+from compile_rng.torch_internals import FloorDiv, detect_fake_mode, tree_leaves
 
 from .sym_emit import SymEmitter, emit_binary
 
@@ -85,6 +97,12 @@ class Unsupported:
     reason: str
 
 
+#: A batched graph's runtime rows (:mod:`compile_rng.batches`), in offset expressions.
+ROW_START = sympy.Symbol("row_start", integer=True, nonnegative=True)
+ROWS_TOTAL = sympy.Symbol("rows_total", integer=True, nonnegative=True)
+BATCH_SYMBOLS = (ROW_START, ROWS_TOTAL)
+
+
 @dataclass
 class RngPlan:
     """What the pass did to one compiled graph; filled in as the pass runs."""
@@ -104,6 +122,10 @@ class RngPlan:
     #: wall time spent in this pass, and in the whole backend compile (set by the backend)
     pass_seconds: float = 0.0
     compile_seconds: float = 0.0
+    #: a batched graph: dim 0 of every random op is the batch (compile_rng.batches);
+    #: ``local_rows`` is that dim's size, the same for every op (None until one is seen)
+    batched: bool = False
+    local_rows: sympy.Expr | None = None
 
 
 def source_of(node: fx.Node) -> str:
@@ -181,12 +203,13 @@ def _functional_node(node: fx.Node) -> fx.Node:
     raise AssertionError(f"no compile_rng op behind {node}")
 
 
-def find_key(graph: fx.Graph) -> fx.Node:
+def find_key(graph: fx.Graph, batched: bool = False) -> fx.Node:
     """The key input: the last primal / user input, added by the backend."""
     inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     key = inputs[-1] if inputs else None
     val = key.meta.get("val") if key is not None else None
-    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and tuple(val.shape) == (2,)):
+    length = 4 if batched else 2
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and tuple(val.shape) == (length,)):
         raise RuntimeError(
             "compile_rng internal error: the graph's last input is not the rng key; "
             "was this graph compiled through compile_rng.backend()?"
@@ -268,12 +291,13 @@ def _dropout_backward_from_stream(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     """A call node with its fake value computed from its arguments' values."""
-    node = graph.call_function(target, args)
+    node = graph.call_function(target, args, kwargs)
     vals = fx.node.map_arg(args, lambda n: n.meta["val"])
-    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
-        node.meta["val"] = target(*vals)
+    tensors = [v for v in tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    with detect_fake_mode(tensors):
+        node.meta["val"] = target(*vals, **kwargs)
     return node
 
 
@@ -290,17 +314,86 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
         plan.pass_seconds += time.perf_counter() - start
 
 
+class _BatchRows:
+    """A batched graph's rows: the key input ``[seed, base, row_start, rows_total]`` split
+    into the ops' key and the runtime row values, and the per-op offset terms in them."""
+
+    def __init__(self, graph: fx.Graph, key: fx.Node, emitter: SymEmitter, plan: RngPlan, first: fx.Node):
+        self.graph, self.emitter, self.plan = graph, emitter, plan
+        with graph.inserting_before(first):  # dominates every random op
+            self.key = _call(graph, torch.ops.aten.slice.Tensor, key, 0, 0, 2)
+            start = _call(graph, torch.ops.aten.select.int, key, 0, 2)
+            total = _call(graph, torch.ops.aten.select.int, key, 0, 3)
+        self.values = {ROW_START: start, ROWS_TOTAL: total}
+
+    def row_numel(self, node: fx.Node, global_shape: tuple) -> sympy.Expr:
+        """Elements per batch row of an op whose (DTensor-global) shape is ``global_shape``;
+        checks that dim 0 is the graph's local batch."""
+        if not global_shape:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} draws a 0-d tensor in a batched graph, "
+                "whose random ops must all be on batch-major activations (dim 0 = the batch)"
+            )
+        rows = global_shape[0]
+        if self.plan.local_rows is None:
+            self.plan.local_rows = rows
+        elif sympy.simplify(rows - self.plan.local_rows) != 0:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} has dim 0 of size {rows}, but this "
+                f"batched graph's batch has {self.plan.local_rows} rows: in a batched backend every random "
+                "op must be on a batch-major activation (dim 0 = the batch); draw other randomness "
+                "outside the batched region"
+            )
+        return sympy.Mul(*global_shape[1:]) if len(global_shape) > 1 else sympy.Integer(1)
+
+    def key_and_offset(self, offset: sympy.Expr) -> tuple[fx.Node, Any]:
+        """The op's key node and its SymInt offset: the row terms of ``offset`` are added to
+        the key's base in the graph (they are runtime values), the rest is a SymInt."""
+        static, rows = sympy.expand(offset).as_independent(*BATCH_SYMBOLS, as_Add=True)
+        offset_value = self.emitter.emit(static)
+        if rows == 0:
+            return self.key, offset_value
+        g = self.graph
+        shift = self._tensor(rows)
+        head = _call(g, torch.ops.aten.slice.Tensor, self.key, 0, 0, 1)
+        base = _call(g, torch.ops.aten.add.Tensor, _call(g, torch.ops.aten.slice.Tensor, self.key, 0, 1, 2), shift)
+        return _call(g, torch.ops.aten.cat.default, [head, base]), offset_value
+
+    def _tensor(self, expr: sympy.Expr) -> Any:
+        """``expr`` as a 0-d int64 tensor node (or an int / SymInt node where it has no row term)."""
+        if not expr.free_symbols & set(BATCH_SYMBOLS):
+            return self.emitter.emit(expr)
+        if expr in self.values:
+            return self.values[expr]
+        g = self.graph
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            # keep the row-free factors together: one SymInt node, then one tensor op
+            fixed, varying = expr.as_independent(*BATCH_SYMBOLS, as_Add=isinstance(expr, sympy.Add))
+            op = torch.ops.aten.add.Tensor if isinstance(expr, sympy.Add) else torch.ops.aten.mul.Tensor
+            terms = [self._tensor(a) for a in (varying.args if isinstance(varying, type(expr)) else [varying])]
+            out = terms[0]
+            for t in terms[1:]:
+                out = _call(g, op, out, t)
+            neutral = 0 if isinstance(expr, sympy.Add) else 1
+            return out if fixed == neutral else _call(g, op, out, self._tensor(fixed))
+        if isinstance(expr, FloorDiv):
+            return _call(g, torch.ops.aten.div.Tensor_mode, self._tensor(expr.args[0]), self._tensor(expr.args[1]), rounding_mode="floor")
+        raise NotImplementedError(f"compile_rng: cannot emit the batch offset term {expr}")
+
+
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
     sites = [n for n in graph.nodes if _draws(n) or n.target is pending_key]
     if not sites:
         _dropout_backward_from_stream(graph)
         return
     plan.graphs_before.append(graph.python_code("self").src)
-    key = find_key(graph)
+    key = find_key(graph, plan.batched)
     emitter = SymEmitter(graph)
+    batch = _BatchRows(graph, key, emitter, plan, sites[0]) if plan.batched else None
     for node in sites:
         base = plan.total_advance
-        if node.target is not pending_key:
+        pending = node.target is pending_key
+        if not pending:
             try:
                 _check_plain(node, key)
             except NotImplementedError as e:
@@ -308,12 +401,22 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     raise
                 plan.unsupported.append(Unsupported(str(node.target), source_of(node), str(e)))
                 continue
+        info = node.meta[tracker.SITE] if pending else None
+        global_shape = (
+            tuple(_expr(s) for s in info.sharding.global_shape) if pending
+            else tuple(_expr(s) for s in _first_val(node).shape)
+        )
+        numel = sympy.Mul(*global_shape) if global_shape else sympy.Integer(1)
         with graph.inserting_before(node):
-            base_value = emitter.emit(base)
-            if node.target is pending_key:
-                info = node.meta[tracker.SITE]
-                new = _resolve_pending(node, key, base_value)
-                advance = _expr(info.advance)
+            if batch is None:
+                op_key, base_value = key, emitter.emit(base)
+                advance = ceil4_expr(numel)
+            else:
+                row_numel = batch.row_numel(node, global_shape)
+                op_key, base_value = batch.key_and_offset(base + ROW_START * row_numel)
+                advance = ceil4_expr(ROWS_TOTAL * row_numel)
+            if pending:
+                new = _resolve_pending(node, op_key, base_value)
                 val = _first_val(new)
                 record = RewrittenOp(
                     info.op, str(new.target), new.name, source_of(new), tuple(_expr(s) for s in val.shape),
@@ -321,10 +424,8 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     tuple(_expr(c) for c in info.coords), info.mesh,
                 )
             else:
-                call = _GraphCall(node, key, base_value, emitter)
+                call = _GraphCall(node, op_key, base_value, emitter)
                 new = RULES[node.target](call)
-                numel = sympy.Mul(*call.shape) if call.shape else sympy.Integer(1)
-                advance = ceil4_expr(numel)
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
