@@ -272,6 +272,7 @@ def _dropout_backward_from_stream(graph: fx.Graph) -> None:
     """
     from compile_rng.stream import keep_scale
 
+    emitter = SymEmitter(graph)
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout_backward.default):
         grad, mask, scale = node.args
         dtype = node.meta["val"].dtype
@@ -280,7 +281,7 @@ def _dropout_backward_from_stream(graph: fx.Graph) -> None:
         with graph.inserting_before(node):
             if source is not None and source.target is torch.ops.compile_rng.dropout.default:
                 key, offset, x, strides, p = source.args
-                size = list(node.meta["val"].shape)
+                size = [emitter.emit(_expr(d)) for d in node.meta["val"].shape]  # SymInt nodes, not raw SymInts
                 keep = _call(graph, torch.ops.compile_rng.bernoulli.default, key, offset, size, strides, 1.0 - p, dtype)
             else:
                 keep = mask
