@@ -195,10 +195,11 @@ def _tensor_parallel(model: GPT, tp_mesh) -> None:
     })
 
 
-def parallelize(model: GPT, name: str, rank: int, backend) -> tuple[nn.Module, object, int]:
-    """Apply ``name``'s parallelism; returns (model to call, dp mesh or None, dp coordinate)."""
+def parallelize(model: GPT, name: str, rank: int, backend=None) -> tuple[nn.Module, object, int]:
+    """Apply ``name``'s parallelism, compiling each part with ``backend`` (if given) first;
+    returns (model to call, dp mesh or None, this rank's dp coordinate)."""
     world, dp, tp, _, wrapper = PARALLELISMS[name]
-    for part in model.compiled_parts():
+    for part in model.compiled_parts() if backend is not None else ():
         part.compile(backend=backend)
     if world == 1:
         return model, None, 0
