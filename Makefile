@@ -24,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) examples/demo.py
 	$(PY) examples/llama_init.py
+	$(PY) examples/train_parity.py --steps 3 --only DDP=2 TP=2+SP
 
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow"
@@ -39,6 +40,7 @@ bench: setup
 	$(PY) benchmarks/bench_random.py
 	$(PY) benchmarks/bench_init.py
 	$(PY) benchmarks/bench_init_ranks.py
+	$(PY) benchmarks/bench_train_step.py
 
 load: setup
 	$(PY) benchmarks/load_init.py

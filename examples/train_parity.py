@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -233,6 +233,23 @@ def _backend(mode: str):
     return "inductor"
 
 
+@contextlib.contextmanager
+def _stock_caches_off(on: bool):
+    """Stock Inductor's FX-graph / AOTAutograd caches hand a process a graph compiled in
+    another one with that process's process-group *names* baked into its collectives
+    (seen here on the 2-D mesh: "Could not resolve the process group registered under
+    the name 4"; pytorch #188390 is the same class of bug). compile_rng's graphs bypass
+    those caches; the stock baseline must too."""
+    if not on:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def train(name: str, mode: str, steps: int, dtype: torch.dtype, c: Config = Config(), rank: int = 0) -> list[float]:
     """Per-step global loss of ``steps`` AdamW steps under ``name`` and ``mode``."""
     torch._dynamo.reset()
@@ -241,7 +258,10 @@ def train(name: str, mode: str, steps: int, dtype: torch.dtype, c: Config = Conf
     else:
         compile_rng.install()
     try:
-        return _train(name, mode, steps, dtype, c, rank)
+        with warnings.catch_warnings(), _stock_caches_off(mode == "stock"):
+            # stock DTensor on a CPU mesh warns at every random op that its support is incomplete
+            warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+            return _train(name, mode, steps, dtype, c, rank)
     finally:
         compile_rng.install()
 
