@@ -65,6 +65,9 @@ class _Counter:
     """Per-element Philox words at ``key[1] + offset + sum(idx * strides)``."""
 
     def __init__(self, key: ir.TensorBox, offset: Any, strides: Sequence[Any]):
+        # A batched graph's key is computed (row terms added in the graph): a buffer, so
+        # that every element loads it instead of recomputing it.
+        key.realize()
         self.key_loader = key.make_loader()
         self.offset = sympy.sympify(offset)
         self.strides = [sympy.sympify(s) for s in strides]
