@@ -2,10 +2,13 @@
 # Another torch: `make test VENV=.venv-215 TORCH=2.15.0` (CI does this for 2.15.0).
 VENV ?= .venv
 TORCH ?= 2.13.0
+# The Triton kernels (accelerators; tested on CPU in Triton's interpreter). torch's CUDA
+# wheels bring their own triton; the CPU wheel gets the release that pairs with 2.13.
+TRITON ?= 3.8.0
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-slow test-all bench load clean
+.PHONY: setup demo test test-slow test-all test-gpu bench load clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	# then leaves that torch as it is (it accepts torch>=2.13,<2.16); the check says so.
 	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==$(TRITON)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $@
 
@@ -35,12 +39,17 @@ test-slow: setup
 test-all: setup
 	$(VENV)/bin/pytest -q
 
+# On a CUDA machine: the GPU suite, then the kernel tests (they run on the GPU there).
+test-gpu: setup
+	$(VENV)/bin/pytest -q tests/gpu tests/test_triton_kernels.py tests/test_stream_conformance.py
+
 bench: setup
 	$(PY) benchmarks/bench_import.py
 	$(PY) benchmarks/bench_random.py
 	$(PY) benchmarks/bench_init.py
 	$(PY) benchmarks/bench_init_ranks.py
 	$(PY) benchmarks/bench_train_step.py
+	$(PY) benchmarks/bench_gpu.py
 
 load: setup
 	$(PY) benchmarks/load_init.py

@@ -5,7 +5,7 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
 * :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
   state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
   Importing compile_rng installs it as DTensor's RNG tracker: DTensor random ops on
-  CPU meshes follow the SPMD contract in eager and compiled code alike.
+  CPU, CUDA and XPU meshes follow the SPMD contract in eager and compiled code alike.
 * :func:`compile` - ``torch.compile`` with compile_rng's backend, graph breaks
   included (the eager code between graphs stays on the stream); :func:`backend` -
   ``torch.compile(fn, backend=compile_rng.backend(...))``, also registered as
@@ -90,4 +90,4 @@ def _run_as_cli() -> bool:
 if not _run_as_cli():
     from .installation import install as _install
 
-    _install()  # importing compile_rng opts torch's seeding and DTensor's CPU meshes into its stream
+    _install()  # importing compile_rng opts torch's seeding and DTensor's meshes into its stream

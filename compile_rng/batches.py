@@ -106,9 +106,9 @@ class Step:
 
     def __init__(self, rows: Rows):
         self.rows = rows
-        self._seed, self._base = state.get_state()
+        self._start = state.snapshot()  # every device's stream (a CUDA model draws on CUDA)
         self._used = 0
-        self._ends: list[int] = []
+        self._ends: list[dict[str, tuple[int, int]]] = []
 
     @contextlib.contextmanager
     def microbatch(self, rows: int) -> Iterator[Rows]:
@@ -121,13 +121,13 @@ class Step:
             )
         mine = Rows(self.rows.start + self._used, rows, self.rows.total)
         self._used += rows
-        state.set_state(self._seed, self._base)
+        state.restore(self._start)
         token = _rows.set(mine)
         try:
             yield mine
         finally:
             _rows.reset(token)
-            self._ends.append(state.get_state()[1])
+            self._ends.append(state.snapshot())
 
     def _finish(self) -> None:
         if not self._ends:
@@ -136,12 +136,13 @@ class Step:
             raise ValueError(
                 f"compile_rng: the microbatches covered {self._used} of this rank's {self.rows.count} rows"
             )
-        if len(set(self._ends)) != 1:
+        if any(end != self._ends[0] for end in self._ends):
+            offsets = [{kind: offset for kind, (_, offset) in end.items()} for end in self._ends]
             raise RuntimeError(
                 f"compile_rng: the microbatches of a step drew different amounts of randomness "
-                f"(they ended at offsets {self._ends}); every microbatch must run the same random ops"
+                f"(they ended at offsets {offsets}); every microbatch must run the same random ops"
             )
-        state.set_state(self._seed, self._ends[0])
+        state.restore(self._ends[0])
 
 
 @contextlib.contextmanager

@@ -69,6 +69,20 @@ def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
     return list(first.shape), kw.get("dtype") or first.dtype
 
 
+def _out_device(kw: dict) -> torch.device:
+    """The device a random op's output lives on, from its normalized arguments."""
+    for name in ("input", "self", "mean", "std"):
+        if isinstance(kw.get(name), torch.Tensor):
+            return kw[name].device
+    device = kw.get("device")
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
+def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
+    """The device random op ``func`` draws on, from its arguments."""
+    return _out_device(_normalize(func, args, kwargs))
+
+
 class _TensorCall(RandomCall):
     """A random op call on local tensors, replaced at dispatch time."""
 
@@ -139,7 +153,7 @@ def recorded_counters() -> Iterator[list[Counters]]:
 class RandomOpMode(TorchDispatchMode):
     """Replaces random ops with the functional ops at the counters ``counters`` assigns.
 
-    ``counters(op, local_shape) -> (key, offset, strides)``. With ``plain_only`` the
+    ``counters(op, local_shape, device) -> (key, offset, strides)``. With ``plain_only`` the
     mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
     region then applies the sharded layout.
     """
@@ -164,8 +178,11 @@ class RandomOpMode(TorchDispatchMode):
         kw = _normalize(func, args, kwargs)
         if kw.get("generator") is not None:
             raise _generator_error(func)
+        device = _out_device(kw)
+        if device.type == "meta":  # shapes only: nothing drawn (as torch's generators)
+            return func(*args, **kwargs)
         size, dtype = _out_shape_dtype(func, kw)
-        key, offset, strides = self.counters(func, size)
+        key, offset, strides = self.counters(func, size, device)
         log = _counter_log.get()
         if log is not None:
             log.append(Counters(key, offset, tuple(strides), tuple(size)))
@@ -183,17 +200,17 @@ class RandomOpMode(TorchDispatchMode):
         return result
 
 
-def _plain_counters(func, size):
+def _plain_counters(func, size, device):
     numel = 1
     for s in size:
         numel *= s
-    seed, base = state.advance(ceil4(numel))
-    return cr_ops.make_key(seed, base), 0, contiguous_strides(size)
+    seed, base = state.advance(ceil4(numel), device)
+    return cr_ops.make_key(seed, base, device), 0, contiguous_strides(size)
 
 
 @contextlib.contextmanager
 def eager_stream() -> Iterator[None]:
-    """Eager random ops on plain CPU tensors inside the block draw from compile_rng's
+    """Eager random ops on plain tensors inside the block draw from compile_rng's
     stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
     ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
     keep going through the tracker. Disables ``torch.compile`` inside the block."""

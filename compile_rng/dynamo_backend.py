@@ -83,8 +83,8 @@ class _SizeFn:
 class _BatchKey:
     """A batched graph's rows for a call (:mod:`compile_rng.batches`) and its key."""
 
-    def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node]):
-        self.name = plan.name
+    def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node], device: torch.device):
+        self.name, self.device = plan.name, device
         self.draws = plan.local_rows is not None  # a graph without random ops has no batch
         self.local_rows = _SizeFn(plan.local_rows if self.draws else 0, placeholders)
 
@@ -102,8 +102,7 @@ class _BatchKey:
         return rows
 
     def __call__(self, seed: int, offset: int, rows: batches.Rows) -> torch.Tensor:
-        key = make_key(seed, offset)
-        return torch.cat([key, torch.tensor([rows.start, rows.total], dtype=torch.int64)])
+        return make_key(seed, offset, self.device, rows=(rows.start, rows.total))
 
 
 def _decompositions() -> dict:
@@ -145,9 +144,21 @@ def _rewrite_module(gm: fx.GraphModule, plan: RngPlan) -> None:
     gm.recompile()
 
 
-def _with_key_input(gm: fx.GraphModule, example_inputs: list, batched: bool) -> tuple[fx.GraphModule, list]:
-    """A copy of ``gm`` with the key placeholder appended, and its example inputs
-    (a batched graph's key also holds its rows: ``[seed, base, row_start, rows_total]``).
+def _graph_device(gm: fx.GraphModule, example_inputs: list) -> torch.device:
+    """The device of the graph's stream: the first accelerator among its inputs and
+    values (a CUDA model's graph), else the CPU. The pass refuses a random op elsewhere."""
+    values = [*example_inputs, *(n.meta.get("example_value") for n in gm.graph.nodes)]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.device.type in state.ACCELERATORS:
+            return torch.device(value.device.type, value.device.index or 0)
+    return torch.device("cpu")
+
+
+def _with_key_input(
+    gm: fx.GraphModule, example_inputs: list, batched: bool, device: torch.device
+) -> tuple[fx.GraphModule, list]:
+    """A copy of ``gm`` with the key placeholder appended on ``device``, and its example
+    inputs (a batched graph's key also holds its rows: ``[seed, base, row_start, rows_total]``).
 
     Dynamo keeps using ``gm`` after the backend returns, so it is not modified.
     """
@@ -161,10 +172,12 @@ def _with_key_input(gm: fx.GraphModule, example_inputs: list, batched: bool) -> 
     # intermediate inputs DDPOptimizer creates).
     torch_internals.mark_sourceless_input(key)
     graph.output(output)
-    example = torch.zeros(4 if batched else 2, dtype=torch.int64)
     fake_mode = torch_internals.detect_fake_mode(example_inputs)
     if fake_mode is not None:
-        example = fake_mode.from_tensor(example, static_shapes=True)
+        with fake_mode:  # no real allocation on the device while compiling
+            example = torch.zeros(4 if batched else 2, dtype=torch.int64, device=device)
+    else:
+        example = torch.zeros(4 if batched else 2, dtype=torch.int64, device=device)
     key.meta["example_value"] = key.meta["val"] = example
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
@@ -210,13 +223,14 @@ class Backend:
             name=_graph_name(gm), mode=self.config.mode, collect_unsupported=self.config.collect_unsupported,
             batched=self.config.batched,
         )
-        keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched)
+        device = _graph_device(gm, list(example_inputs))
+        keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched, device)
         start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
             compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
         plan.compile_seconds = time.perf_counter() - start
         advance = _SizeFn(plan.total_advance, placeholders)
-        key_of = _BatchKey(plan, placeholders) if plan.batched else None
+        key_of = _BatchKey(plan, placeholders, device) if plan.batched else None
         self.plans.append(plan)
         write_plan(plan)
 
@@ -229,14 +243,14 @@ class Backend:
                 if not groups:  # the process groups exist once the graph runs
                     meshes = list({id(op.mesh): op.mesh for op in plan.ops if op.mesh is not None}.values())
                     groups.extend(verify.groups_of(meshes, self.config.verify))
-                verify.check(plan.name, *state.get_state(), graph_signature, groups)
+                verify.check(plan.name, *state.get_state(device), graph_signature, groups)
             if plan.batched:
                 rows = key_of.rows(args)
-                seed, offset = state.advance(advance(args, {ROWS_TOTAL: rows.total}))
+                seed, offset = state.advance(advance(args, {ROWS_TOTAL: rows.total}), device)
                 key = key_of(seed, offset, rows)
             else:
-                seed, offset = state.advance(advance(args))
-                key = make_key(seed, offset)
+                seed, offset = state.advance(advance(args), device)
+                key = make_key(seed, offset, device)
             with dispatch_modes.graph_call():
                 return compiled(*args, key)
 

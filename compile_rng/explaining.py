@@ -23,11 +23,11 @@ def explain(fn: Any, *args: Any, mode: str = "tracker", **kwargs: Any) -> Report
     if mode not in dispatch_modes.MODES:
         raise ValueError(f"compile_rng.explain: mode must be one of {dispatch_modes.MODES}, got {mode!r}")
     be = Backend(BackendConfig(mode, "aot_eager", collect_unsupported=True))
-    saved = state.get_state()
+    saved = state.snapshot()
     try:
         torch.compile(fn, backend=be)(*args, **kwargs)
     finally:
-        state.set_state(*saved)
+        state.restore(saved)
     ops = [OpReport.from_op(op) for plan in be.plans for op in plan.ops]
     total = sum((plan.total_advance for plan in be.plans), sympy.Integer(0))
     return Report(ops, total, [u for plan in be.plans for u in plan.unsupported])

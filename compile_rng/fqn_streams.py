@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import state
+from . import dispatch_modes, state
 from .random_ops import is_random
 from .torch_internals import OpOverload, TorchDispatchMode, local_tensor, op_arguments, storage_weak_ref, tree_leaves
 
@@ -116,8 +116,8 @@ class _Streams:
 
     def __post_init__(self) -> None:
         self.seeds: dict[str, int] = {}
-        self.positions: dict[str, int] = {}
-        self.current: str | None = None
+        self.positions: dict[tuple[str, str], int] = {}
+        self.current: tuple[str, str] | None = None  # (name, device type)
         owner: dict[int, str] = {}
         names = {name for m in self.modules for name, _ in [*m.named_parameters(), *m.named_buffers()]}
         for name in sorted(names) + [ANONYMOUS]:
@@ -127,15 +127,16 @@ class _Streams:
             owner[derived] = name
             self.seeds[name] = derived
 
-    def select(self, name: str) -> None:
-        if name == self.current:
+    def select(self, name: str, device: str) -> None:
+        """Point ``device``'s stream (a device type) at ``name``'s stream position."""
+        if (name, device) == self.current:
             return
         if self.current is not None:
-            self.positions[self.current] = state.get_state()[1]
+            self.positions[self.current] = state.get_state(self.current[1])[1]
         if name not in self.seeds:  # a tensor registered while the function ran
             self.seeds[name] = derive_seed(self.seed, name)
-        self.current = name
-        state.set_state(self.seeds[name], self.positions.get(name, 0))
+        self.current = (name, device)
+        state.set_state(self.seeds[name], self.positions.get(self.current, 0), device)
 
 
 def _user_frame() -> str:
@@ -189,7 +190,7 @@ class _OwnershipMode(TorchDispatchMode):
             self._refresh_names()
             target = args[0] if args and isinstance(args[0], torch.Tensor) else None
             owner = self.owner(_storage_of(target))
-            self.streams.select(owner or ANONYMOUS)
+            self.streams.select(owner or ANONYMOUS, dispatch_modes.op_device(func, args, kwargs).type)
             out = func(*args, **kwargs)
             if owner is None:
                 self._mark(self.anonymous, [*tree_leaves(out), *written], f"{func} at {_user_frame()}")
@@ -251,14 +252,14 @@ def fqn_streams(modules: Iterable[nn.Module], seed: int | None = None) -> Iterat
     modules = list(modules)
     if not modules:
         raise ValueError("compile_rng.init(key='fqn'): no nn.Module among the arguments to take names from")
-    saved = state.get_state()
-    mode = _OwnershipMode(_Streams(saved[0] if seed is None else seed, modules))
+    saved = state.snapshot()
+    mode = _OwnershipMode(_Streams(saved["cpu"][0] if seed is None else seed, modules))
     try:
         with mode:
             yield
         mode.check_named()
     finally:
-        state.set_state(*saved)
+        state.restore(saved)
 
 
 def modules_in(args: tuple, kwargs: dict) -> list[nn.Module]:

@@ -76,7 +76,7 @@ def init(
             nonlocal use_graph
             with dispatch_modes.mode(mode), torch.no_grad(), _stream_seed(seed if key is None else None):
                 if use_graph:
-                    before = state.get_state()
+                    before = state.snapshot()
                     try:
                         return compiled(*args, **kwargs)
                     # Any failure to compile: Dynamo could not capture one graph, hit its
@@ -85,7 +85,7 @@ def init(
                     # makes of a whole model's normal_ init). The eager run starts from the
                     # state the call began with, so it draws what the graph would have.
                     except _COMPILE_FAILURES as e:
-                        state.set_state(*before)
+                        state.restore(before)
                         if compile is True:
                             raise RuntimeError(
                                 f"compile_rng.init(compile=True): {f.__qualname__} does not compile as one "
@@ -115,9 +115,10 @@ def _stream_seed(seed: int | None) -> Iterator[None]:
     if seed is None:
         yield
         return
-    saved = state.get_state()
-    state.set_state(seed, 0)
+    saved = state.snapshot()
+    for kind in saved:
+        state.set_state(seed, 0, kind)
     try:
         yield
     finally:
-        state.set_state(*saved)
+        state.restore(saved)

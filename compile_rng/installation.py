@@ -16,6 +16,8 @@ wrapped to also call :func:`manual_seed`                    restarts compile_rng
                                                             init helpers ask it before seeding
 ``DTensor._op_dispatcher._custom_op_handlers`` for the      DTensor runs those ops without a region
 in-place ops DTensor leaves unrouted (``exponential_``...)
+``_dispatch.run_dtensor_rng_op`` wrapped: with the          DTensor's accelerator branch runs random
+tracker's offsets it runs the op in the tracker's region    ops through it, not through the region
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng.torch_internals`.
@@ -52,7 +54,7 @@ def manual_seed(seed: int) -> None:
 
 def install() -> None:
     """Make compile_rng serve torch's seeding, ``trunc_normal_`` and DTensor's random ops
-    on CPU meshes (idempotent; the module docstring lists each change and its reason)."""
+    on CPU, CUDA and XPU meshes (idempotent; the module docstring lists each change and its reason)."""
     if "manual_seed" not in _stock:
         _stock.update(
             manual_seed=torch.random.manual_seed,
@@ -88,6 +90,7 @@ def uninstall() -> None:
 
         torch_internals.set_rng_tracker(_stock["rng_tracker"])
         torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
+        torch_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
         handlers = torch_internals.dtensor_op_handlers()
         for op in tracker.UNROUTED:
             if handlers.get(op) is tracker.inplace_handler:
@@ -126,8 +129,13 @@ def _install_tracker(tracker: ModuleType) -> None:
     # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
     dtensor_random = torch_internals.dtensor_random()
     if "rng_tracker" not in _stock:
-        _stock.update(rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh)
+        dispatch = torch_internals.dtensor_dispatch()
+        _stock.update(
+            rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
+            run_dtensor_rng_op=dispatch.run_dtensor_rng_op,
+        )
         dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
+        dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
     torch_internals.set_rng_tracker(tracker.TRACKER)
     handlers = torch_internals.dtensor_op_handlers()
     for op in tracker.UNROUTED:

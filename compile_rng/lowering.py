@@ -17,6 +17,11 @@ values holding uint32 words and never overflows int64 (see ``stream._mulhilo``),
 generated C++ has no undefined behaviour. The transforms are the shared definitions in
 :mod:`compile_rng.stream`, so compiled values match the eager kernels.
 
+On accelerators every op is a call of its Triton kernel (:mod:`compile_rng.triton_kernels`),
+not a fused loop: those kernels are checked bitwise against the scalar reference in
+Triton's interpreter, while the Triton code Inductor would generate from these
+lowerings can only run on a GPU, where it has not been verified yet.
+
 Import this module to register the lowerings; the backend does.
 """
 
@@ -102,7 +107,18 @@ def _pointwise(
 
 
 def _register(op: OpOverload) -> Callable:
-    return register_lowering(op, type_promotion_kind=None)
+    """Register ``fn`` as ``op``'s lowering for CPU graphs; on an accelerator the op
+    stays a call of its Triton kernel (see the module docstring)."""
+
+    def register(fn: Callable) -> Callable:
+        def lower(key, *args):
+            if key.get_device_or_error().type != "cpu":
+                return _extern(op, key, *args)
+            return fn(key, *args)
+
+        return register_lowering(op, type_promotion_kind=None)(lower)
+
+    return register
 
 
 #: Streams at least this long go to the C kernel (see the module docstring).

@@ -326,15 +326,30 @@ def _(key, offset, size, strides):
     return _empty(key, size, torch.int64)
 
 
-def make_key(seed: int, base: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement)."""
+def make_key(
+    seed: int, base: int, device: str | torch.device = "cpu", rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement);
+    a batched graph's key also holds its ``rows`` ``(start, total)``. One host-to-device
+    copy on an accelerator."""
     def signed(v: int) -> int:
         v %= UINT64
         return v - UINT64 if v >= 2**63 else v
 
-    return torch.tensor([signed(seed), signed(base)], dtype=torch.int64, device=device)
+    return torch.tensor([signed(seed), signed(base), *(rows or ())], dtype=torch.int64, device=device)
 
 
 #: Eager in-place ``uniform_`` / ``normal_``: functional op -> writer that fills the
 #: target itself (a parameter init then needs no temporary and no copy).
 INTO = {torch.ops.compile_rng.uniform.default: uniform_into, torch.ops.compile_rng.normal.default: normal_into}
+
+
+def _register_accelerator_kernels() -> None:
+    # Here, not in accelerator_ops: the ops must have their CUDA/XPU kernels whoever
+    # imports them first (registering imports no triton).
+    from . import accelerator_ops
+
+    accelerator_ops.register()
+
+
+_register_accelerator_kernels()

@@ -1,9 +1,10 @@
 """The Philox state ``(seed, offset)`` per device type, both uint64.
 
 On CPU, whose generator is not counter-based, compile_rng keeps the state itself
-(:mod:`compile_rng.installation` makes ``torch.manual_seed`` restart it). On CUDA the state *is* the device
-generator's Philox state (``initial_seed()``, ``get_offset()``), so compiled
-compile_rng ops and eager CUDA ops share one stream.
+(:mod:`compile_rng.installation` makes ``torch.manual_seed`` restart it). On CUDA (and
+XPU) the state *is* the current device's generator's Philox state (``initial_seed()``,
+``get_offset()``), so compile_rng ops and eager CUDA ops share one stream, and
+``torch.manual_seed`` restarts it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,22 @@ def _device_type(device: str | torch.device) -> str:
     return torch.device(device).type
 
 
-def _cuda_generator() -> torch.Generator:
-    return torch.cuda.default_generators[torch.cuda.current_device()]
+#: device types whose state is the device generator's Philox state
+ACCELERATORS = ("cuda", "xpu")
+
+
+def _generator(kind: str) -> torch.Generator:
+    module = getattr(torch, kind)
+    return module.default_generators[module.current_device()]
+
+
+def device_of(kind: str) -> torch.device:
+    """The device a stream of device type ``kind`` lives on (the current one)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind not in ACCELERATORS:
+        raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
+    return torch.device(kind, getattr(torch, kind).current_device())
 
 
 def manual_seed(seed: int) -> None:
@@ -41,8 +56,10 @@ def manual_seed(seed: int) -> None:
     with _lock:
         _cpu_state[:] = [seed, 0]
         _seedings[0] += 1
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    for kind in ACCELERATORS:
+        module = getattr(torch, kind, None)
+        if module is not None and module.is_available():
+            module.manual_seed_all(seed)
 
 
 def seedings() -> int:
@@ -56,8 +73,8 @@ def get_state(device: str | torch.device = "cpu") -> tuple[int, int]:
     if kind == "cpu":
         with _lock:
             return _cpu_state[0], _cpu_state[1]
-    if kind == "cuda":
-        gen = _cuda_generator()
+    if kind in ACCELERATORS:
+        gen = _generator(kind)
         return gen.initial_seed() % UINT64, gen.get_offset()
     raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
 
@@ -70,12 +87,28 @@ def set_state(seed: int, offset: int, device: str | torch.device = "cpu") -> Non
     if kind == "cpu":
         with _lock:
             _cpu_state[:] = [seed, offset]
-    elif kind == "cuda":
-        gen = _cuda_generator()
+    elif kind in ACCELERATORS:
+        gen = _generator(kind)
         gen.manual_seed(seed)
         gen.set_offset(offset)
     else:
         raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
+
+
+def device_types() -> list[str]:
+    """The device types with a stream in this process: the CPU and available accelerators."""
+    return ["cpu", *(k for k in ACCELERATORS if getattr(torch, k, None) is not None and getattr(torch, k).is_available())]
+
+
+def snapshot() -> dict[str, tuple[int, int]]:
+    """Every device type's ``(seed, offset)`` (for :func:`restore`)."""
+    return {kind: get_state(kind) for kind in device_types()}
+
+
+def restore(saved: dict[str, tuple[int, int]]) -> None:
+    """Put back the states a :func:`snapshot` took."""
+    for kind, (seed, offset) in saved.items():
+        set_state(seed, offset, kind)
 
 
 def advance(increment: int, device: str | torch.device = "cpu") -> tuple[int, int]:

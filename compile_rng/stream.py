@@ -292,6 +292,8 @@ class Implementation:
     layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     #: ``run(fn)``: ``fn`` (which calls the functional ops) made to run on this implementation
     run: Callable[[Callable[..., Any]], Callable[..., Any]]
+    #: the optional package it needs, if any
+    requires: str | None = None
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -304,6 +306,12 @@ def _inductor(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
 
 
+def _triton(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from .accelerator_ops import on_triton
+
+    return on_triton(fn)
+
+
 IMPLEMENTATIONS = (
     # The C kernel's per-element walk (any layout; words cached per block).
     Implementation("c-scalar", (((3, 5), (7, 1)), ((2, 3, 4), (40, 8, 1)), ((), ())), _eager),
@@ -313,4 +321,7 @@ IMPLEMENTATIONS = (
     # Inductor's lowering: Philox and the transforms above in the generated kernel
     # (float32 streams of 2**18 elements or more call the C kernel instead).
     Implementation("inductor-lowering", (((3, 5), (7, 1)), ((257,), (1,))), _inductor),
+    # The accelerator kernels (Triton): the block path (inner counter stride 1, several
+    # programs per row), the per-element path (a transposed window), a scalar.
+    Implementation("triton", (((3, 5), (7, 1)), ((5, 3), (1, 5)), ((4, 1027), (1027, 1)), ((), ())), _triton, "triton"),
 )

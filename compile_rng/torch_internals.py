@@ -198,6 +198,16 @@ def distribute_region(tracker: Any, spec: Any, generator: Any = None) -> Any:
     return tracker._distribute_region(spec, generator)
 
 
+def dtensor_dispatch() -> Any:
+    """``torch.distributed.tensor._dispatch``: for an accelerator DTensor (2.13: CUDA;
+    2.15: the current accelerator) without ``generator=``, its dispatch skips the
+    tracker's region and runs the local op through this module's global
+    ``run_dtensor_rng_op`` with ``_rng_tracker._compute_rng_offsets(spec)``."""
+    import torch.distributed.tensor._dispatch as module
+
+    return module
+
+
 def dtensor_op_handlers() -> dict:
     """DTensor's per-op custom handlers (in-place random ops DTensor runs without a
     tracker region get one that opens it)."""

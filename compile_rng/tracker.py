@@ -1,6 +1,8 @@
-"""compile_rng as DTensor's RNG tracker: SPMD random semantics on CPU meshes.
+"""compile_rng as DTensor's RNG tracker: SPMD random semantics on CPU, CUDA and XPU meshes.
 
-DTensor runs the local op of a random op inside ``_rng_tracker._distribute_region(spec)``.
+DTensor runs the local op of a random op inside ``_rng_tracker._distribute_region(spec)``
+(on the accelerator it calls ``_compute_rng_offsets(spec)`` and ``run_dtensor_rng_op``
+instead; :func:`run_dtensor_rng_op_hook` brings those calls back to the region).
 :class:`Tracker` makes that region replace the local op with compile_rng's functional
 ops at the shard's counter layout (:mod:`compile_rng.spmd`):
 
@@ -124,10 +126,11 @@ def _coordinates(mesh: Any, symbolic: bool) -> list:
 class Tracker(OffsetBasedRNGTracker):
     """The object installed as ``torch.distributed.tensor._random._rng_tracker``.
 
-    It must be an ``OffsetBasedRNGTracker``: for CUDA DTensors DTensor's dispatch
+    It must be an ``OffsetBasedRNGTracker``: for accelerator DTensors DTensor's dispatch
     (torch 2.13-2.15 ``_dispatch.py``) skips ``_distribute_region``, asserts that type
-    and calls the inherited ``_compute_rng_offsets(spec)``. Accelerator meshes keep
-    torch's own semantics: their regions go to a stock ``OffsetBasedRNGTracker``.
+    and passes ``_compute_rng_offsets(spec)`` to ``run_dtensor_rng_op``. Meshes of
+    other device types (:func:`serves`) keep torch's semantics: their regions go to a
+    stock ``OffsetBasedRNGTracker``.
     """
 
     # Not OffsetBasedRNGTracker.__init__: it refuses CPU and syncs a device generator.
@@ -142,7 +145,7 @@ class Tracker(OffsetBasedRNGTracker):
     @disable_dynamo
     @contextlib.contextmanager
     def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
-        if spec.mesh.device_type != "cpu":
+        if not serves(spec.mesh):
             fallback = self._fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled
             with distribute_region(fallback, spec, generator):
@@ -151,13 +154,18 @@ class Tracker(OffsetBasedRNGTracker):
         if not self.distribute_region_enabled:
             yield
             return
+        if local_tensor_mode_enabled() and spec.mesh.device_type != "cpu":
+            # torch's per-rank tracker simulates accelerator ranks; keep its semantics there.
+            with distribute_region(self._fallback(spec.mesh), spec, generator):
+                yield
+            return
         if local_tensor_mode_enabled():
             # LocalTensorMode simulates every rank in one process; the coordinate here would
             # be the process's rank for all of them (identical shards), and torch's own
             # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
             raise NotImplementedError(
                 "compile_rng: DTensor random ops under LocalTensorMode (every rank simulated in one "
-                "process) are not supported on CPU meshes; simulate ranks with the fake process group "
+                "process) are not supported; simulate ranks with the fake process group "
                 "(one process acting as each rank) or run real ranks"
             )
         sharding = Sharding.from_spec(spec)
@@ -177,14 +185,14 @@ class Tracker(OffsetBasedRNGTracker):
         if mode is None:
             raise RuntimeError(
                 "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
-                "DTensor random ops on a CPU mesh need torch.compile(..., backend='compile_rng')"
+                "DTensor random ops on its meshes need torch.compile(..., backend='compile_rng')"
             )
         coords = _coordinates(spec.mesh, symbolic=tracing)
         if not tracing:
             verify.check_mesh_once(spec.mesh)
-        device = torch.device(spec.mesh.device_type)
+        device = state.device_of(spec.mesh.device_type)
 
-        def counters(func, local_shape):
+        def counters(func, local_shape, _device):
             offset, strides = sharding.layout(mode, coords, local_shape)
             if tracing:
                 site_id = next(_site_ids)  # distinct args: no pass may merge two sites
@@ -199,6 +207,13 @@ class Tracker(OffsetBasedRNGTracker):
         with RandomOpMode(counters):
             yield
 
+    def _compute_rng_offsets(self, spec: Any) -> tuple[Any, Any]:
+        # DTensor's accelerator branch passes this to run_dtensor_rng_op, where
+        # run_dtensor_rng_op_hook opens this tracker's region for the spec instead.
+        if not serves(spec.mesh):
+            return super()._compute_rng_offsets(spec)
+        return _Region(spec), None
+
     def _fallback(self, mesh: Any) -> OffsetBasedRNGTracker:
         if mesh.device_type not in self._fallbacks:
             self._fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
@@ -206,6 +221,34 @@ class Tracker(OffsetBasedRNGTracker):
 
     def _manual_seed(self, parallel_seed: int) -> None:
         state.manual_seed(parallel_seed)
+
+
+def serves(mesh: Any) -> bool:
+    """Whether compile_rng's semantics apply to ``mesh``'s random ops (its device type
+    has a compile_rng stream: CPU, CUDA, XPU)."""
+    return mesh.device_type == "cpu" or mesh.device_type in state.ACCELERATORS
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The "offsets" :meth:`Tracker._compute_rng_offsets` hands DTensor's accelerator branch."""
+
+    spec: Any
+
+
+def run_dtensor_rng_op_hook(stock: Any) -> Any:
+    """DTensor's ``run_dtensor_rng_op`` (the HOP its accelerator branch runs a local random
+    op with), made to run the op in compile_rng's region when the offsets came from
+    :class:`Tracker`: eager and traced, no generator read or written, no HOP in a graph."""
+
+    def run_dtensor_rng_op(start: Any, end: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(start, _Region):
+            with TRACKER._distribute_region(start.spec):
+                return op(*args, **kwargs)
+        return stock(start, end, op, *args, **kwargs)
+
+    run_dtensor_rng_op._compile_rng_stock = stock
+    return run_dtensor_rng_op
 
 
 # Random ops DTensor's dispatcher runs without a distribute region.
@@ -246,7 +289,7 @@ def _local_operand(op_call, target: DTensor, a: Any) -> Any:
 
 def inplace_handler(op_call, args, kwargs):
     target = args[0]
-    if target.device_mesh.device_type != "cpu":
+    if not serves(target.device_mesh):
         return _stock_dispatch(op_call, args, kwargs)
     if target.device_mesh.get_coordinate() is None:
         # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
@@ -263,7 +306,7 @@ _stock_lock = threading.RLock()
 
 def _stock_dispatch(op_call, args, kwargs):
     """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
-    (accelerator meshes keep stock semantics). DTensor's C++ entry point reads the
+    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
     handler table on every op, so the handler steps out of it for this one call."""
     handlers = dtensor_op_handlers()
     with _stock_lock:

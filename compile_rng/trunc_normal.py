@@ -60,7 +60,7 @@ def _on_the_stream(tensor: torch.Tensor) -> bool:
     if _is_dtensor(tensor):
         from . import tracker
 
-        return tensor.device_mesh.device_type == "cpu" and tracker.installed()
+        return tracker.serves(tensor.device_mesh) and tracker.installed()
     return any(isinstance(m, dispatch_modes.RandomOpMode) for m in dispatch_mode_stack())
 
 

@@ -1,9 +1,16 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors (read when
+# compile_rng.triton_kernels is imported, so set before any test imports it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,15 +1,16 @@
-"""Importing compile_rng leaves DTensor random ops on accelerator meshes as stock torch
-has them. No GPU here: these tests pin the branch logic DTensor's dispatch runs for
-CUDA (torch 2.13-2.15 ``torch/distributed/tensor/_dispatch.py``):
+"""Importing compile_rng leaves DTensor random ops on meshes it does not serve (device
+types other than CPU, CUDA and XPU: here a ``meta`` mesh, the one such device type this
+machine has) as stock torch has them. It pins the branch logic DTensor's dispatch runs
+(torch 2.13-2.15 ``torch/distributed/tensor/_dispatch.py``):
 
-* no ``generator=``, a CUDA local tensor: ``assert isinstance(_rng_tracker,
-  OffsetBasedRNGTracker)`` then ``_rng_tracker._compute_rng_offsets(spec)`` - emulated
-  here call for call on specs of real meshes;
-* otherwise ``_rng_tracker._distribute_region(spec, generator)`` - for a non-CPU mesh it
+* no ``generator=``, an accelerator local tensor: ``assert isinstance(_rng_tracker,
+  OffsetBasedRNGTracker)`` then ``_rng_tracker._compute_rng_offsets(spec)`` - torch's
+  offsets for a mesh compile_rng does not serve (CUDA/XPU meshes get compile_rng's
+  region instead: ``tests/test_accelerator_path.py``);
+* otherwise ``_rng_tracker._distribute_region(spec, generator)`` - for such a mesh it
   must be torch's own ``OffsetBasedRNGTracker`` region;
-* the op handlers DTensor consults first, on every device - for a non-CPU mesh they must
-  hand the op to DTensor's stock dispatch (checked on a ``meta`` mesh, the one non-CPU
-  device type this machine has).
+* the op handlers DTensor consults first, on every device - for such a mesh they must
+  hand the op to DTensor's stock dispatch.
 """
 
 import contextlib
@@ -44,10 +45,14 @@ OFFSET_CASES = [
 
 
 @pytest.mark.parametrize("shape,placements,rank,expected", OFFSET_CASES)
-def test_cuda_dispatch_branch_gets_torchs_offsets(shape, placements, rank, expected):
+def test_accelerator_branch_gets_torchs_offsets_on_meshes_compile_rng_does_not_serve(shape, placements, rank, expected):
     with fake_rank(rank, 4):
-        mesh = DeviceMesh("cpu", [0, 1, 2, 3])
-        spec = local_zeros(shape, mesh, placements)._spec
+        mesh = DeviceMesh("meta", [0, 1, 2, 3])
+        spec = DTensor.from_local(
+            torch.empty(local_zeros(shape, DeviceMesh("cpu", [0, 1, 2, 3]), placements).to_local().shape, device="meta"),
+            mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(),
+        )._spec
+        assert not tracker.serves(mesh)
         rng_tracker = dtensor_random._rng_tracker
         assert isinstance(rng_tracker, dtensor_random.OffsetBasedRNGTracker)  # the CUDA branch's assert
         assert tuple(int(v) for v in rng_tracker._compute_rng_offsets(spec)) == expected
@@ -65,7 +70,7 @@ class _RecordingTracker:
         yield
 
 
-def test_accelerator_mesh_regions_go_to_torchs_tracker(monkeypatch):
+def test_unserved_mesh_regions_go_to_torchs_tracker(monkeypatch):
     with fake_rank(0, 2):
         mesh = DeviceMesh("meta", [0, 1])
         spec = DTensor.from_local(torch.empty(2, 3, device="meta"), mesh, [Shard(0)])._spec
@@ -87,7 +92,7 @@ def _outcome(fn):
     return ("returns", type(out), out.placements, out.to_local().shape)
 
 
-def test_op_handlers_hand_accelerator_meshes_to_stock_dispatch(monkeypatch):
+def test_op_handlers_hand_unserved_meshes_to_stock_dispatch(monkeypatch):
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = dict(handlers)
     calls = {
@@ -111,7 +116,7 @@ def test_op_handlers_hand_accelerator_meshes_to_stock_dispatch(monkeypatch):
             stock = run_all()
 
         def refuse(*args, **kwargs):
-            raise AssertionError("compile_rng's region ran for an accelerator mesh")
+            raise AssertionError("compile_rng's region ran for a mesh it does not serve")
 
         monkeypatch.setattr(dtensor_random._rng_tracker, "_distribute_region", refuse)
         assert run_all() == stock

@@ -17,9 +17,9 @@ from helpers import f32, ref_tensor
 
 from compile_rng import ops, stream
 
-# (seed, base): both halves of the key, a block-index carry across 2**32, the counter
-# wrapping past 2**64 inside an op.
-KEYS = [(0, 0), (0xDEADBEEF12345678, 2**32 - 5), (2**64 - 1, 2**64 - 6)]
+# (seed, base): both halves of the key, a block-index carry across 2**32, counters past
+# 2**63 with a seed past 2**63, the counter wrapping past 2**64 inside an op.
+KEYS = [(0, 0), (0xDEADBEEF12345678, 2**32 - 5), (2**63 + 0x1234, 2**63 + 7), (2**64 - 1, 2**64 - 6)]
 P_DROP, P_BERN, LAMBD = 0.3, 0.25, 1.5
 
 
@@ -86,6 +86,8 @@ def _check(got: dict, seed: int, counters: list[int], p: torch.Tensor, x: torch.
 
 @pytest.mark.parametrize("impl", stream.IMPLEMENTATIONS, ids=lambda i: i.name)
 def test_implementation_conforms_to_the_scalar_reference(impl):
+    if impl.requires:
+        pytest.importorskip(impl.requires)
     gen = torch.Generator().manual_seed(0)
     for size, strides in impl.layouts:
         program = impl.run(_program(size, strides))
