@@ -74,3 +74,14 @@ def fake_rank(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def accelerator_branch(x: DTensor, op, *local_args):
+    """Run ``op`` as DTensor's dispatch runs a random op on an accelerator DTensor
+    (``_dispatch.py``): the tracker's ``_compute_rng_offsets(spec)``, then
+    ``run_dtensor_rng_op`` on the local arguments."""
+    import torch.distributed.tensor._dispatch as dispatch
+
+    start, end = dtensor_random._rng_tracker._compute_rng_offsets(x._spec)
+    return dispatch.run_dtensor_rng_op(start, end, op, *local_args)
+

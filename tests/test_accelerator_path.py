@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dtensor_reference import fake_rank, local_zeros
+from dtensor_reference import accelerator_branch, fake_rank, local_zeros
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
@@ -22,12 +22,6 @@ from compile_rng import dispatch_modes, dynamo_backend, torch_internals, tracker
 
 WORLD = 4
 aten = torch.ops.aten
-
-
-def _accelerator_branch(x, op, *args):
-    """What DTensor's dispatch does with a random op on an accelerator DTensor."""
-    start, end = torch_internals.rng_tracker()._compute_rng_offsets(x._spec)
-    return torch_internals.dtensor_dispatch().run_dtensor_rng_op(start, end, op, *args)
 
 
 @pytest.mark.parametrize("op", ["uniform_", "native_dropout"])
@@ -45,9 +39,9 @@ def test_the_accelerator_branch_runs_in_the_trackers_region(op):
                 else:
                     local = x.to_local().clone()
                     if op == "uniform_":
-                        out = _accelerator_branch(x, aten.uniform_.default, local, -1.0, 1.0)
+                        out = accelerator_branch(x, aten.uniform_.default, local, -1.0, 1.0)
                     else:
-                        out = _accelerator_branch(x, aten.native_dropout.default, local, 0.3, True)[0]
+                        out = accelerator_branch(x, aten.native_dropout.default, local, 0.3, True)[0]
                     results.append((out, compile_rng.get_state()))
             (want, want_state), (got, got_state) = results
             assert torch.equal(got, want)
