@@ -1,7 +1,7 @@
 """Training-step time of examples/train_parity.py's GPT: invariant vs tracker vs stock.
 
 One process. Each part of the model (embedding, every block, head) is compiled on its
-own, as in the example: with ``compile_rng.backend(mode="invariant", batched=True)``
+own, as in the example: with ``compile_rng.backend(layout="invariant", batched=True)``
 inside ``compile_rng.step`` (invariant), with ``backend="compile_rng"`` (tracker), and
 with stock Inductor (compile_rng uninstalled). After warm-up steps (compilation), the
 median of ``--repeat`` timed forward + backward + AdamW steps; prints seconds per step

@@ -10,7 +10,7 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   included (the eager code between graphs stays on the stream); :func:`backend` -
   ``torch.compile(fn, backend=compile_rng.backend(...))``, also registered as
   ``backend="compile_rng"`` (its graphs only).
-* :func:`step` - a training step for ``backend(mode="invariant", batched=True)``:
+* :func:`step` - a training step for ``backend(layout="invariant", batched=True)``:
   activations draw at their rows of the step's global batch, so data parallelism and
   microbatching leave the values unchanged (:mod:`compile_rng.batches`).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a

@@ -1,7 +1,7 @@
 """Training steps: activations drawn at their rows of the step's global batch.
 
 Invariant activations (DESIGN.md section 7). In a graph of a ``batched`` backend
-(``compile_rng.backend(mode="invariant", batched=True)``), dim 0 of every random op's
+(``compile_rng.backend(layout="invariant", batched=True)``), dim 0 of every random op's
 tensor is the batch: the tensor holds rows ``[start, start + rows)`` of a global batch
 of ``total`` rows, and element ``(i, j...)`` draws the counter of ``(start + i, j...)``
 in the global tensor (DTensor placements of the other dims apply as usual). The op

@@ -18,30 +18,37 @@ from typing import Any
 import torch
 
 from . import dispatch_modes
-from .dynamo_backend import backend
+from .dynamo_backend import backend, layout_argument
 
 
 def compile(
     model: Callable | torch.nn.Module | None = None,
     *,
-    mode: str = "tracker",
+    layout: str = "tracker",
     inner: str = "inductor",
     verify: Any = False,
+    mode: str | None = None,
+    options: dict | None = None,
     **torch_compile_kwargs: Any,
 ) -> Any:
-    """``torch.compile`` with ``compile_rng.backend(mode, inner, verify)`` in which every
+    """``torch.compile`` with ``compile_rng.backend(layout, inner, verify)`` in which every
     random op - in the graphs and in the eager code between them - follows compile_rng's
     stream, so a function with graph breaks gives the values of one graph.
 
     A function gets a wrapper (``.backend`` holds the backend and its ``plans``); an
     ``nn.Module`` gets ``torch.compile``'s ``OptimizedModule`` (``.forward.backend``).
-    ``torch_compile_kwargs`` (``dynamic``, ``fullgraph``, ...) go to ``torch.compile``.
-    Usable as ``@compile_rng.compile`` or ``@compile_rng.compile(mode="invariant")``.
+    ``mode``, ``options`` and ``torch_compile_kwargs`` (``dynamic``, ``fullgraph``, ...)
+    are ``torch.compile``'s (``mode``/``options`` configure the inner Inductor;
+    ``mode="invariant"`` is the deprecated spelling of ``layout="invariant"``).
+    Usable as ``@compile_rng.compile`` or ``@compile_rng.compile(layout="invariant")``.
     """
+    layout, mode = layout_argument("compile_rng.compile", layout, mode)
     if model is None:
-        return functools.partial(compile, mode=mode, inner=inner, verify=verify, **torch_compile_kwargs)
-    be = backend(mode, inner, verify)
-    compiled = torch.compile(model, backend=be, **torch_compile_kwargs)
+        return functools.partial(
+            compile, layout=layout, inner=inner, verify=verify, mode=mode, options=options, **torch_compile_kwargs
+        )
+    be = backend(layout, inner, verify)
+    compiled = torch.compile(model, backend=be, mode=mode, options=options, **torch_compile_kwargs)
     if isinstance(model, torch.nn.Module):
         # torch.compile's OptimizedModule; its forward is the Dynamo-wrapped call
         compiled.forward = _on_stream(compiled.forward, be)

@@ -111,12 +111,29 @@ def _decompositions() -> dict:
     return {op: fn for op, fn in torch_internals.inductor_decompositions().items() if op not in handled}
 
 
-def _compile_inner(cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan) -> Callable:
+def _with_pass(user_pass: Callable | None, plan: RngPlan) -> Callable:
+    """The joint-graph pre-pass: compile_rng's rewrite, then the user's own, if any."""
+
+    def joint_pre_pass(graph: fx.Graph) -> None:
+        functionalize_rng(graph, plan)
+        if user_pass is not None:
+            user_pass(graph)
+
+    return joint_pre_pass
+
+
+def _compile_inner(
+    cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan, inductor_patches: dict
+) -> Callable:
     rewrite = functools.partial(_rewrite_module, plan=plan)
     if cfg.inner == "inductor":
         from . import lowering  # noqa: F401  (registers the lowerings)
 
-        patches = {"fx_graph_cache": False, "joint_custom_pre_pass": lambda g: functionalize_rng(g, plan)}
+        patches = {
+            **inductor_patches,
+            "fx_graph_cache": False,
+            "joint_custom_pre_pass": _with_pass(inductor_patches.get("joint_custom_pre_pass"), plan),
+        }
         with _caches_off():
             return torch_internals.inductor_compile(gm, inputs, patches, _decompositions())
 
@@ -216,7 +233,16 @@ class Backend:
         self.config = config
         self.plans: list[RngPlan] = []
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict | None = None
+    ) -> Callable:
+        """Compile ``gm``; ``mode`` and ``options`` are ``torch.compile``'s, for Inductor."""
+        inductor_patches = torch_internals.inductor_options(mode, options)
+        if inductor_patches and self.config.inner != "inductor":
+            raise ValueError(
+                f"compile_rng backend: torch.compile(mode={mode!r}, options=...) configures Inductor, "
+                f"but this backend's inner compiler is {self.config.inner!r}"
+            )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         _warn_if_split(gm)
         plan = RngPlan(
@@ -227,7 +253,7 @@ class Backend:
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched, device)
         start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
-            compiled = _compile_inner(self.config, keyed_gm, inputs, plan)
+            compiled = _compile_inner(self.config, keyed_gm, inputs, plan, inductor_patches)
         plan.compile_seconds = time.perf_counter() - start
         advance = _SizeFn(plan.total_advance, placeholders)
         key_of = _BatchKey(plan, placeholders, device) if plan.batched else None
@@ -258,16 +284,38 @@ class Backend:
 
     def __repr__(self) -> str:
         batched = ", batched=True" if self.config.batched else ""
-        return f"compile_rng.backend(mode={self.config.mode!r}, inner={self.config.inner!r}{batched})"
+        return f"compile_rng.backend(layout={self.config.mode!r}, inner={self.config.inner!r}{batched})"
 
 
-def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False, batched: bool = False) -> Backend:
+def layout_argument(where: str, layout: str, mode: str | None) -> tuple[str, str | None]:
+    """``(layout, torch.compile mode)`` from a call that takes both: ``mode=`` naming a
+    counter layout is the old spelling of ``layout=`` (deprecated: ``mode`` is
+    ``torch.compile``'s)."""
+    if mode not in dispatch_modes.MODES:
+        return layout, mode
+    warnings.warn(
+        f"{where}(mode={mode!r}) names the counter layout; spell it layout={mode!r} "
+        "(mode= is torch.compile's: 'default', 'reduce-overhead', 'max-autotune', ...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if layout not in ("tracker", mode):
+        raise ValueError(f"{where}: layout={layout!r} and mode={mode!r} disagree; pass layout= only")
+    return mode, None
+
+
+def backend(
+    layout: str = "tracker", inner: str = "inductor", verify: Any = False, batched: bool = False,
+    *, mode: str | None = None,
+) -> Backend:
     """A ``torch.compile`` backend that makes every random op functional.
 
-    ``mode="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
-    on a one-rank mesh); ``mode="invariant"`` gives every element the counter of its
-    global row-major index, so the full tensor does not depend on the sharding. ``inner`` is the compiler that runs after the pass:
-    ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging). The returned
+    ``layout="tracker"`` reproduces eager DTensor semantics (a plain tensor is a replica
+    on a one-rank mesh); ``layout="invariant"`` gives every element the counter of its
+    global row-major index, so the full tensor does not depend on the sharding
+    (``mode=`` is the deprecated spelling). ``inner`` is the compiler that runs after the pass:
+    ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging); ``torch.compile``'s
+    own ``mode=`` and ``options=`` configure that Inductor. The returned
     object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
     the total advance and the graph code after the pass. ``verify=True`` (or the
     environment variable ``COMPILE_RNG_VERIFY=1``) checks before every call that the
@@ -276,19 +324,25 @@ def backend(mode: str = "tracker", inner: str = "inductor", verify: Any = False,
     ``verify=mesh`` (or a process group) names the ranks, as a pipeline stage must for
     a graph on plain tensors.
 
-    ``batched=True`` (``mode="invariant"`` only) says that dim 0 of every random op's
+    ``batched=True`` (``layout="invariant"`` only) says that dim 0 of every random op's
     tensor in these graphs is the batch: the tensor holds this rank's rows of the global
     batch of a training step (:func:`compile_rng.step`), and every element draws the
     counter of its index in the global, single-device tensor - so data parallelism and
     microbatching do not change the values (:mod:`compile_rng.batches`).
     """
-    if batched and mode != "invariant":
-        raise ValueError("compile_rng.backend: batched=True needs mode='invariant' (tracker mode follows eager DTensor)")
-    if mode not in dispatch_modes.MODES:
-        raise ValueError(f"compile_rng.backend: mode must be one of {dispatch_modes.MODES}, got {mode!r}")
+    if mode is not None:
+        layout, mode = layout_argument("compile_rng.backend", layout, mode)
+        if mode is not None:
+            raise ValueError(
+                f"compile_rng.backend(mode={mode!r}): torch.compile's mode goes to torch.compile(..., mode=...)"
+            )
+    if batched and layout != "invariant":
+        raise ValueError("compile_rng.backend: batched=True needs layout='invariant' (tracker layout follows eager DTensor)")
+    if layout not in dispatch_modes.MODES:
+        raise ValueError(f"compile_rng.backend: layout must be one of {dispatch_modes.MODES}, got {layout!r}")
     if inner not in INNERS:
         raise ValueError(f"compile_rng.backend: inner must be one of {INNERS}, got {inner!r}")
-    return Backend(BackendConfig(mode, inner, verify=verify, batched=batched))
+    return Backend(BackendConfig(layout, inner, verify=verify, batched=batched))
 
 
 #: The backend registered as ``torch.compile(..., backend="compile_rng")``.

@@ -67,7 +67,7 @@ def init(
         state.check_uint64("seed", seed)
 
     def decorate(f: Callable) -> Callable:
-        be = backend(mode=mode, inner=inner)
+        be = backend(layout=mode, inner=inner)
         compiled = torch.compile(f, backend=be, fullgraph=True)
         use_graph = compile is not False and key is None
 

@@ -136,6 +136,26 @@ def inductor_compile(gm: fx.GraphModule, inputs: list, config_patches: dict, dec
     return compile_fx(gm, inputs, config_patches=config_patches, decompositions=decompositions)
 
 
+def inductor_options(mode: str | None, options: dict | None) -> dict:
+    """Inductor config patches for ``torch.compile``'s ``mode`` and ``options``, as
+    ``torch.compile`` derives them for its own Inductor backend (2.13-2.15:
+    ``torch._inductor.list_mode_options``, option names are config names with ``-`` as
+    ``_``). An unknown mode or option raises, naming it."""
+    from torch._inductor import config, list_mode_options
+
+    patches = dict(list_mode_options(mode)) if mode else {}
+    known = config.get_config_copy()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"compile_rng backend: unknown Inductor option {key!r} in torch.compile(options=...); "
+                "torch._inductor.list_options() lists them"
+            )
+        patches[name] = value
+    return patches
+
+
 def aot_autograd(**kwargs: Any) -> Any:
     """Dynamo's AOTAutograd backend factory (the aot_eager path, with our partition)."""
     from torch._dynamo.backends.common import aot_autograd as factory

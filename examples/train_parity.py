@@ -8,7 +8,7 @@ process with 2 microbatches of gradient accumulation. Each block is compiled on 
 (the torchtitan pattern). The table is every step's loss difference from the
 single-process run, for three random-number set-ups:
 
-* ``invariant``: ``compile_rng.backend(mode="invariant", batched=True)`` and one
+* ``invariant``: ``compile_rng.backend(layout="invariant", batched=True)`` and one
   ``compile_rng.step`` per optimizer step (microbatches through ``step.microbatch``);
 * ``tracker``: ``backend="compile_rng"`` - eager DTensor semantics, the activations'
   counters follow the program and the local shapes;
@@ -227,7 +227,7 @@ MODES = ("invariant", "tracker", "stock")
 
 def _backend(mode: str):
     if mode == "invariant":
-        return compile_rng.backend(mode="invariant", batched=True)
+        return compile_rng.backend(layout="invariant", batched=True)
     if mode == "tracker":
         return compile_rng.backend()
     return "inductor"

@@ -98,7 +98,7 @@ def test_heads_sharded_over_tp(mode):
     q, k, v = inputs()
     shape = (B, H, L, L)
     torch._dynamo.reset()
-    be = compile_rng.backend(mode=mode)
+    be = compile_rng.backend(layout=mode)
     compiled = torch.compile(attention, backend=be)
     for rank in range(2):
         with fake_rank(rank, 2):

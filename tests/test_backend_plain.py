@@ -175,7 +175,57 @@ def test_explicit_generator_runs_eagerly_from_that_generator():
     assert all(not plan.ops for plan in be.plans)
 
 
-@pytest.mark.parametrize("kw", [{"mode": "nope"}, {"inner": "nope"}])
+@pytest.mark.parametrize("kw", [{"layout": "nope"}, {"mode": "nope"}, {"inner": "nope"}])
 def test_backend_arguments_are_checked(kw):
     with pytest.raises(ValueError, match="nope"):
         compile_rng.backend(**kw)
+
+
+def test_torch_compile_mode_and_options_reach_inductor(monkeypatch):
+    from compile_rng import torch_internals
+
+    seen, user_pass_calls = [], []
+    real = torch_internals.inductor_compile
+    monkeypatch.setattr(
+        torch_internals, "inductor_compile", lambda gm, inputs, patches, dec: seen.append(patches) or real(gm, inputs, patches, dec)
+    )
+    options = {"epilogue_fusion": False, "joint_custom_pre_pass": user_pass_calls.append}
+    # torch.compile takes mode or options, not both
+    for kw in ({"mode": "max-autotune-no-cudagraphs"}, {"options": options}):
+        torch._dynamo.reset()
+        compile_rng.manual_seed(SEED)
+        check_against_reference(torch.compile(program, backend="compile_rng", **kw)(X), 0)
+    by_mode, by_options = seen
+    assert by_mode["max_autotune"] is True and by_mode["coordinate_descent_tuning"] is True
+    assert by_options["epilogue_fusion"] is False and by_options["fx_graph_cache"] is False
+    assert "max_autotune" not in by_options
+    assert len(user_pass_calls) == 1  # the user's joint pass runs after compile_rng's
+
+
+def test_unknown_inductor_options_and_options_without_inductor_raise():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown Inductor option 'no_such_option'"):
+        torch.compile(lambda: torch.rand(2), backend="compile_rng", options={"no_such_option": 1})()
+    with pytest.raises(Exception, match="inner compiler is 'aot_eager'"):
+        torch.compile(lambda: torch.rand(2), backend=compile_rng.backend(inner="aot_eager"), mode="max-autotune")()
+
+
+def test_compile_takes_torch_compile_mode_and_the_old_layout_spelling_warns():
+    torch._dynamo.reset()
+    with pytest.warns(DeprecationWarning, match="spell it layout='invariant'"):
+        old = compile_rng.compile(lambda: torch.rand(5) * 1, mode="invariant")
+    with pytest.warns(DeprecationWarning, match="spell it layout='invariant'"):
+        assert compile_rng.backend(mode="invariant").config.mode == "invariant"
+    new = compile_rng.compile(lambda: torch.rand(5) * 1, layout="invariant", mode="max-autotune-no-cudagraphs")
+    assert old.backend.config.mode == new.backend.config.mode == "invariant"
+    outs = []
+    for fn in (old, new):
+        compile_rng.manual_seed(1)
+        outs.append(fn())
+    assert torch.equal(*outs) and torch.equal(outs[0], expected_uniform(1, 5))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        compile_rng.compile(lambda: 0, layout="invariant", mode="tracker")
+
+
+def expected_uniform(seed: int, n: int) -> torch.Tensor:
+    return ref_tensor([ref.uniform01(seed, c, "float32") for c in range(n)], torch.float32)

@@ -50,7 +50,7 @@ def _run(fn, x):
 def compiled():
     """One batched backend for the module: every rank's and microbatch's calls share it."""
     torch._dynamo.reset()
-    be = compile_rng.backend(mode="invariant", batched=True)
+    be = compile_rng.backend(layout="invariant", batched=True)
     return be, torch.compile(block, backend=be), torch.compile(checkpointed, backend=be)
 
 
@@ -117,7 +117,7 @@ def test_microbatches_draw_the_big_batch(compiled, single, split, checkpointing)
 def test_sequence_parallel_dtensor_with_data_parallel_rows(single):
     """A 2x2 mesh (dp, tp): rows over dp, the sequence dim ``Shard(1)`` over tp."""
     torch._dynamo.reset()
-    fn = torch.compile(block, backend=compile_rng.backend(mode="invariant", batched=True))
+    fn = torch.compile(block, backend=compile_rng.backend(layout="invariant", batched=True))
     x = _input()
     pieces = {}
     for rank in range(4):
@@ -146,14 +146,14 @@ def test_outside_a_step_the_call_is_the_whole_batch(compiled, single):
 
 
 def test_batched_needs_invariant_mode():
-    with pytest.raises(ValueError, match="batched=True needs mode='invariant'"):
+    with pytest.raises(ValueError, match="batched=True needs layout='invariant'"):
         compile_rng.backend(batched=True)
 
 
 def test_a_random_op_off_the_batch_is_refused():
     torch._dynamo.reset()
     fn = torch.compile(lambda x: F.dropout(x, 0.5) + torch.rand(x.shape[1]),
-                       backend=compile_rng.backend(mode="invariant", batched=True))
+                       backend=compile_rng.backend(layout="invariant", batched=True))
     with pytest.raises(Exception, match=r"aten.rand.default .*dim 0 of size 7.*batch has 3 rows"):
         fn(torch.ones(3, 7))
 

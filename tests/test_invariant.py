@@ -2,7 +2,7 @@
 placement list and world size, and equals the canonical stream at global indices.
 
 Fake-process-group sweep; each case runs every rank eagerly (under
-compile_rng.mode("invariant")) and compiled (backend(mode="invariant"), one graph per
+compile_rng.mode("invariant")) and compiled (backend(layout="invariant"), one graph per
 local shape), assembles the full tensors from the local shards at the global offsets
 torch computes, and compares them with the world-size-1 run of the same program on a
 plain tensor.
@@ -60,7 +60,7 @@ def single_device():
     torch._dynamo.reset()
     compile_rng.manual_seed(SEED)
     with compile_rng.mode("invariant"):
-        fn = torch.compile(program, backend=compile_rng.backend(mode="invariant", inner="aot_eager"))
+        fn = torch.compile(program, backend=compile_rng.backend(layout="invariant", inner="aot_eager"))
         out = fn(torch.zeros(G))
     state = compile_rng.get_state()
     return out, state
@@ -87,7 +87,7 @@ def test_full_tensor_is_sharding_invariant(single_device, case, inner):
     torch._dynamo.reset()
     run = program
     if inner != "eager":
-        run = torch.compile(program, backend=compile_rng.backend(mode="invariant", inner=inner))
+        run = torch.compile(program, backend=compile_rng.backend(layout="invariant", inner=inner))
     want, want_state = single_device
     full = [torch.full(G, float("nan")) for _ in want]
     for rank in range(world):

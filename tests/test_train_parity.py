@@ -40,7 +40,7 @@ CHECKPOINTED = "DDP=2"
 
 
 def _probes(block, checkpointed: bool):
-    be = compile_rng.backend(mode="invariant", batched=True)
+    be = compile_rng.backend(layout="invariant", batched=True)
     wrap = (lambda m: lambda x: checkpoint(m, x, use_reentrant=False)) if checkpointed else (lambda m: m)
     return {name: torch.compile(wrap(m), backend=be) for name, m in (("attn", block.attn), ("mlp", block.mlp))}
 
