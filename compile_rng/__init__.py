@@ -3,7 +3,9 @@
 Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes it):
 
 * :func:`manual_seed`, :func:`get_state`, :func:`set_state` - the per-device Philox
-  state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``.
+  state ``(seed, offset)``; ``torch.manual_seed(s)`` also restarts it at ``(s, 0)``;
+  :func:`state_dict`, :func:`load_state_dict` and :class:`StreamState` (a
+  ``torch.distributed.checkpoint`` ``Stateful``) save and resume it with a checkpoint.
   Importing compile_rng installs it as DTensor's RNG tracker: DTensor random ops on
   CPU, CUDA and XPU meshes follow the SPMD contract in eager and compiled code alike.
 * :func:`compile` - ``torch.compile`` with compile_rng's backend, graph breaks
@@ -46,6 +48,7 @@ _mount_source_passes()
 # The public API, imported on first use: `import compile_rng` costs about a third of
 # `import torch` on top of it (no Dynamo, Inductor or depyf until they are needed).
 _PUBLIC = {
+    "StreamState": ".checkpointing",
     "backend": ".dynamo_backend",
     "compile": ".compiling",
     "dump": ".dumps",
@@ -53,10 +56,12 @@ _PUBLIC = {
     "get_state": ".state",
     "init": ".init_decorator",
     "install": ".installation",
+    "load_state_dict": ".checkpointing",
     "manual_seed": ".installation",
     "mode": ".dispatch_modes",
     "ops": None,
     "set_state": ".state",
+    "state_dict": ".checkpointing",
     "step": ".batches",
     "stream": None,
     "uninstall": ".installation",

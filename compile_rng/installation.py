@@ -10,6 +10,8 @@ what                                                        why
 ``torch.manual_seed``, ``torch.random.manual_seed``         the seeding every training script does
 wrapped to also call :func:`manual_seed`                    restarts compile_rng's stream too
 ``torch.nn.init.trunc_normal_``                             fewer redraws; ranks kept in step
+``torch.random.fork_rng`` wrapped to also restore           code that forks the RNG (sampling, evals)
+compile_rng's CPU stream on exit                            leaves the training stream where it was
 ``torch.distributed.tensor._random._rng_tracker``           DTensor runs every random op's local op
 = compile_rng's :class:`~compile_rng.tracker.Tracker`       in the tracker's region: the SPMD contract
 ``_random.is_rng_supported_mesh``: yes for CPU meshes       DTensor's ``manual_seed(seed, mesh)`` and
@@ -28,12 +30,14 @@ within a third of ``import torch``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.abc
 import importlib.util
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -60,11 +64,13 @@ def install() -> None:
             manual_seed=torch.random.manual_seed,
             torch_manual_seed=torch.manual_seed,
             trunc_normal_=torch.nn.init.trunc_normal_,
+            fork_rng=torch.random.fork_rng,
         )
         hook = _stock["hook"] = _manual_seed_hook(_stock["manual_seed"])
         torch.random.manual_seed = hook
         torch.manual_seed = hook
         torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
+        torch.random.fork_rng = _fork_rng_hook(_stock["fork_rng"])
     # The tracker module imports DTensor; whichever of the two is imported first, the
     # tracker is installed once its module is complete.
     _after_import("torch.distributed.tensor", _import_tracker)
@@ -85,6 +91,7 @@ def uninstall() -> None:
         else:
             torch.manual_seed = _stock["torch_manual_seed"]
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
+        torch.random.fork_rng = _stock["fork_rng"]
     if "rng_tracker" in _stock:
         from . import tracker
 
@@ -115,6 +122,26 @@ def _manual_seed_hook(original: Callable) -> Callable:
 
     manual_seed_hook._compile_rng_hook = True
     return manual_seed_hook
+
+
+def _fork_rng_hook(original: Callable) -> Callable:
+    # torch.random.fork_rng forks the CPU generator and the listed devices' generators; the
+    # accelerator streams are those generators already, the CPU stream is compile_rng's.
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
+        enabled = signature.bind(*args, **kwargs).arguments.get("enabled", True)
+        saved = state.get_state("cpu")
+        with original(*args, **kwargs):
+            try:
+                yield
+            finally:
+                if enabled:
+                    state.set_state(*saved, "cpu")
+
+    return fork_rng
 
 
 def _import_tracker(_dtensor: ModuleType) -> None:
