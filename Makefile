@@ -47,8 +47,9 @@ bench: setup
 	$(PY) benchmarks/bench_import.py
 	$(PY) benchmarks/bench_random.py
 	$(PY) benchmarks/bench_init.py
+	$(PY) benchmarks/bench_init_first.py
 	$(PY) benchmarks/bench_init_ranks.py
-	$(PY) benchmarks/bench_train_step.py
+	$(PY) benchmarks/bench_train_step.py --layers 12
 	$(PY) benchmarks/bench_gpu.py
 
 load: setup

@@ -1,11 +1,15 @@
-"""Training-step time of examples/train_parity.py's GPT: invariant vs tracker vs stock.
+"""Training-step time and backward memory of examples/train_parity.py's GPT: compile_rng
+(invariant, tracker) vs stock Inductor and eager torch.
 
 One process. Each part of the model (embedding, every block, head) is compiled on its
 own, as in the example: with ``compile_rng.backend(layout="invariant", batched=True)``
 inside ``compile_rng.step`` (invariant), with ``backend="compile_rng"`` (tracker), and
-with stock Inductor (compile_rng uninstalled). After warm-up steps (compilation), the
-median of ``--repeat`` timed forward + backward + AdamW steps; prints seconds per step
-and the ratio to stock Inductor from the same run; writes JSON.
+with stock Inductor (compile_rng uninstalled); "eager" is stock torch uncompiled. After
+warm-up steps (compilation), the median of ``--repeat`` timed forward + backward + AdamW
+steps, for each ``--threads`` count; prints seconds per step and the ratio to stock
+Inductor from the same run, and the bytes the forward saves for backward (measured with
+``saved_tensors_hooks``: stock torch saves dropout masks, compile_rng regenerates them);
+writes JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +33,30 @@ from compile_rng.launch import progress  # noqa: E402
 from train_parity import MODES, Config, _backend, make_model  # noqa: E402
 
 
-def step_times(mode: str, c: Config, warmup: int, repeat: int) -> list[float]:
+def _saved_bytes() -> tuple[Any, list[int]]:
+    """A ``saved_tensors_hooks`` context that sums the distinct storages saved for backward."""
+    seen: dict[int, int] = {}
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = storage.nbytes()
+            total[0] += storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
+
+
+def step_times(mode: str, c: Config, warmup: int, repeat: int) -> tuple[list[float], int]:
+    """Seconds of the timed steps, and the bytes the last step's forward saved."""
     torch._dynamo.reset()
-    compile_rng.install() if mode != "stock" else compile_rng.uninstall()
+    compile_rng.install() if mode not in ("stock", "eager") else compile_rng.uninstall()
     try:
         model = make_model(c, torch.float32)
-        for part in model.compiled_parts():
-            part.compile(backend=_backend(mode))
+        if mode != "eager":
+            for part in model.compiled_parts():
+                part.compile(backend=_backend(mode))
         opt = torch.optim.AdamW(model.parameters(), lr=c.lr)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=g)
@@ -43,14 +65,16 @@ def step_times(mode: str, c: Config, warmup: int, repeat: int) -> list[float]:
         for i in range(warmup + repeat):
             start = time.perf_counter()
             step = compile_rng.step(c.batch) if mode == "invariant" else contextlib.nullcontext()
+            hooks, saved = _saved_bytes() if i == warmup + repeat - 1 else (contextlib.nullcontext(), [0])
             with step:
-                loss = F.cross_entropy(model(tokens).reshape(-1, c.vocab), targets.reshape(-1))
+                with hooks:
+                    loss = F.cross_entropy(model(tokens).reshape(-1, c.vocab), targets.reshape(-1))
                 loss.backward()
             opt.step()
             opt.zero_grad()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-        return times
+        return times, saved[0]
     finally:
         compile_rng.install()
 
@@ -64,21 +88,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
     c = Config(vocab=512, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq, batch=args.batch)
     rows = {}
-    for mode in MODES:
-        progress(f"bench_train_step: {mode}")
-        times = step_times(mode, c, args.warmup, args.repeat)
-        rows[mode] = {"median_s": statistics.median(times), "min_s": min(times)}
-    stock = rows["stock"]["median_s"]
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for mode in (*MODES, "eager"):
+            progress(f"bench_train_step: {mode}, {threads} thread(s)")
+            times, saved = step_times(mode, c, args.warmup, args.repeat)
+            rows[f"{threads}/{mode}"] = {
+                "threads": threads, "mode": mode, "median_s": statistics.median(times), "min_s": min(times),
+                "saved_for_backward_bytes": saved,
+            }
     print(f"training step, GPT dim={c.dim} layers={c.layers} seq={c.seq} batch={c.batch}, "
-          f"dropout p={c.p} everywhere, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"  {'mode':<12}{'median s/step':>15}{'min s/step':>13}{'vs stock':>10}")
-    for mode, r in rows.items():
-        r["vs_stock"] = r["median_s"] / stock
-        print(f"  {mode:<12}{r['median_s']:>15.4f}{r['min_s']:>13.4f}{r['vs_stock']:>9.3f}x")
+          f"dropout p={c.p} everywhere, torch {torch.__version__}")
+    print(f"  {'threads':<8}{'mode':<12}{'median s/step':>15}{'min s/step':>13}{'vs stock':>10}{'saved for bw':>15}")
+    for r in rows.values():
+        r["vs_stock"] = r["median_s"] / rows[f"{r['threads']}/stock"]["median_s"]
+        print(f"  {r['threads']:<8}{r['mode']:<12}{r['median_s']:>15.4f}{r['min_s']:>13.4f}{r['vs_stock']:>9.3f}x"
+              f"{r['saved_for_backward_bytes'] / 2**20:>12.1f} MiB")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": c.__dict__, "rows": rows}, indent=1))
 

@@ -24,7 +24,7 @@ def init(
     *,
     mode: str = "tracker",
     inner: str = "inductor",
-    compile: bool | str = "auto",
+    compile: bool | str = False,
     key: str | None = None,
     seed: int | None = None,
 ) -> Any:
@@ -35,13 +35,16 @@ def init(
     with every random op - on DTensors and on plain tensors alike - drawing from
     compile_rng's stream in ``mode`` (``"tracker"`` or ``"invariant"``).
 
-    ``compile``: ``"auto"`` (default) compiles the function as one graph with
-    ``compile_rng.backend(mode, inner)`` (cached by ``torch.compile`` per module
-    structure); a function Dynamo cannot capture whole - ``nn.init.trunc_normal_`` reads
-    values (:mod:`compile_rng.trunc_normal`) - runs eagerly instead, with the same
-    values, after a one-time warning. ``True`` requires the single graph (raises
-    otherwise); ``False`` always runs eagerly. Partial graphs are not used: an init
-    loop split at every ``trunc_normal_`` would recompile per shape for no speed.
+    ``compile``: ``False`` (default) runs the function eagerly on the stream - an init runs
+    once per job, and its first call is fastest that way (``benchmarks/bench_init_first.py``:
+    compiling costs Dynamo and Inductor seconds that one call never earns back).
+    ``"auto"`` compiles the function as one graph with ``compile_rng.backend(mode,
+    inner)`` (cached by ``torch.compile`` per module structure); a function Dynamo cannot
+    capture whole - ``nn.init.trunc_normal_`` reads values
+    (:mod:`compile_rng.trunc_normal`), ``with torch.device(...)`` - runs eagerly instead,
+    with the same values, after a one-time warning. ``True`` requires the single graph
+    (raises otherwise). Partial graphs are not used: an init loop split at every
+    ``trunc_normal_`` would recompile per shape for no speed.
 
     ``key="fqn"``: every parameter and buffer of the ``nn.Module`` arguments draws from
     its own stream, derived from ``(seed, its fully qualified name)`` instead of from

@@ -43,6 +43,30 @@ def test_bench_init_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_init_first_smoke(tmp_path):
+    out = tmp_path / "first.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init_first.py"), *SMALL_MODEL[:-2], "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 10 and all(r["first_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.slow
+def test_bench_train_step_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    args = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "4", "--warmup", "1",
+            "--repeat", "1", "--threads", "1", "--json", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), *args],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1/invariant", "1/tracker", "1/stock", "1/eager"}
+    # stock torch saves dropout masks for backward; compile_rng regenerates them
+    assert rows["1/tracker"]["saved_for_backward_bytes"] < rows["1/stock"]["saved_for_backward_bytes"]
+
+
+@pytest.mark.slow
 def test_bench_init_ranks_smoke(tmp_path):
     out = tmp_path / "ranks.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init_ranks.py"), *SMALL_MODEL, "--json", str(out)],

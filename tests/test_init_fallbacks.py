@@ -11,7 +11,7 @@ import compile_rng
 
 
 def test_recompile_limit_falls_back_to_the_eager_stream():
-    compiled = compile_rng.init(lambda w: nn.init.uniform_(w, -1.0, 1.0))
+    compiled = compile_rng.init(compile="auto")(lambda w: nn.init.uniform_(w, -1.0, 1.0))
     eager = compile_rng.init(compile=False)(lambda w: nn.init.uniform_(w, -1.0, 1.0))
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match="does not compile as one graph"):
