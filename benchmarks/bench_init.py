@@ -53,30 +53,43 @@ def timed(fn, model, repeat: int) -> tuple[float, float]:
 
 
 def first_compile(args: argparse.Namespace) -> dict:
-    """This process's first call of the one-graph init: total, backend, pass seconds."""
+    """This process's first call of the one-graph init: total, backend, pass seconds
+    (``--first-compile stock``: stock ``torch.compile``, compile_rng uninstalled)."""
+    import torch._dynamo  # noqa: F401  (imported before timing in both)
+
     model = build(meta=False, args=args)
-    init = compile_rng.init(init_normal, compile=True)
+    if args.first_compile == "stock":
+        compile_rng.uninstall()
+        init = torch.compile(init_normal)
+    else:
+        init = compile_rng.init(init_normal, compile=True)
     start = time.perf_counter()
-    init(model)
+    with torch.no_grad():
+        init(model)
     total = time.perf_counter() - start
+    if args.first_compile == "stock":
+        return {"first_call_s": total}
     (plan,) = init.backend.plans
     return {"first_call_s": total, "backend_s": plan.compile_seconds, "pass_s": plan.pass_seconds}
 
 
 def compile_times(args: argparse.Namespace) -> dict:
-    """``first_compile`` in two fresh processes sharing a new Inductor cache folder:
-    cold (empty cache), then warm (the kernels compiled by the first)."""
+    """``first_compile`` of compile_rng and of stock Inductor, each in two fresh processes
+    sharing a new Inductor cache folder: cold (empty caches), then warm (the caches the
+    first filled)."""
     import subprocess
     import tempfile
 
-    out = {}
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        argv = [sys.executable, __file__, "--first-compile", *(f"--{k}={getattr(args, k)}" for k in BENCH_MODEL_ARGS)]
-        for run in ("cold", "warm"):
-            progress(f"first compile in a fresh process, {run} Inductor cache")
-            result = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-            out[run] = json.loads(result.stdout.strip().splitlines()[-1])
+    out: dict = {}
+    for who in ("compile_rng", "stock"):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            argv = [sys.executable, __file__, "--first-compile", who,
+                    *(f"--{k}={getattr(args, k)}" for k in BENCH_MODEL_ARGS)]
+            for run in ("cold", "warm"):
+                progress(f"{who}: first compile in a fresh process, {run} caches")
+                result = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+                out[f"{who} {run}"] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -85,7 +98,7 @@ def main() -> None:
     add_model_args(parser, BENCH_MODEL_ARGS)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default="bench-init.json")
-    parser.add_argument("--first-compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-compile", choices=["compile_rng", "stock"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_compile:
         print(json.dumps(first_compile(args)))
@@ -117,9 +130,11 @@ def main() -> None:
               f"{base / r['warm_s']:>8.2f}x{how}")
     compiles = compile_times(args)
     print("\nOne-graph init (normal_) in a fresh process: first call = Dynamo + backend (pass + Inductor) + run")
-    for run, c in compiles.items():
-        print(f"  {run} Inductor cache: first call {c['first_call_s']:.2f}s, backend {c['backend_s']:.2f}s, "
-              f"pass {c['pass_s']:.3f}s ({c['pass_s'] / c['first_call_s']:.1%} of the first call)")
+    for run in ("cold", "warm"):
+        c, stock = compiles[f"compile_rng {run}"], compiles[f"stock {run}"]
+        print(f"  {run} caches: compile_rng first call {c['first_call_s']:.2f}s (backend {c['backend_s']:.2f}s, "
+              f"pass {c['pass_s']:.3f}s = {c['pass_s'] / c['first_call_s']:.1%}), stock Inductor "
+              f"{stock['first_call_s']:.2f}s: {c['first_call_s'] / stock['first_call_s']:.2f}x stock")
     with open(args.json, "w") as f:
         json.dump({"params": params, "rows": rows, "compile": compiles}, f, indent=1)
 

@@ -55,8 +55,9 @@ def step_times(mode: str, c: Config, warmup: int, repeat: int) -> tuple[list[flo
     try:
         model = make_model(c, torch.float32)
         if mode != "eager":
+            backend = _backend(mode)  # one backend for every part: Dynamo recompiles on a new one
             for part in model.compiled_parts():
-                part.compile(backend=_backend(mode))
+                part.compile(backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=c.lr)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=g)

@@ -11,10 +11,12 @@ counters: the state is always "advanced by the whole graph") and passes the key.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -32,10 +34,48 @@ INNERS = ("inductor", "aot_eager")
 
 
 def _caches_off():
-    # The pass's result (the total advance) lives outside the compiled artifact, so a
-    # cached artifact would come back without it: compile_rng graphs bypass the FX
-    # graph and AOTAutograd caches (Inductor's compiled-kernel cache still applies).
+    # The pass's result (the total advance) lives outside the compiled artifact, and an
+    # AOTAutograd cache hit would skip the pass: that cache is off for compile_rng graphs.
+    # Inductor's FX-graph cache stays on: it keys on the rewritten graph and the pass's uuid.
     return torch_internals.autograd_cache_off()
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of compile_rng's sources (the pass, the rules, the lowerings, the kernels):
+    everything that decides a compiled graph's code besides what Inductor hashes itself."""
+    import compile_rng
+    import compile_rng.passes
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for folder in (Path(compile_rng.__file__).parent, Path(compile_rng.passes.__file__).parent):
+        for path in sorted([*folder.glob("*.py"), *folder.glob("csrc/*.c")]):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+class JointPass(torch_internals.CustomGraphPass):
+    """compile_rng's rewrite as Inductor's ``joint_custom_pre_pass`` (then the user's own
+    pass, if any). Its :meth:`uuid` is what Inductor's FX-graph cache keys the pass on:
+    compile_rng's sources and the layout - no rank, coordinate or device (the rewritten
+    graph computes the coordinate at run time), so one cached artifact serves every rank.
+    A user pass without a uuid makes it ``None``: Inductor then bypasses its cache."""
+
+    def __init__(self, plan: RngPlan, user_pass: Callable | None = None):
+        self.plan, self.user_pass = plan, user_pass
+
+    def __call__(self, graph: fx.Graph) -> None:
+        functionalize_rng(graph, self.plan)
+        if self.user_pass is not None:
+            self.user_pass(graph)
+
+    def uuid(self) -> Any:
+        user = None
+        if self.user_pass is not None:
+            user = self.user_pass.uuid() if isinstance(self.user_pass, torch_internals.CustomGraphPass) else None
+            if user is None:
+                return None
+        return (source_hash(), self.plan.mode, self.plan.batched, self.plan.collect_unsupported, user)
 
 
 @dataclass(frozen=True)
@@ -105,21 +145,22 @@ class _BatchKey:
         return make_key(seed, offset, self.device, rows=(rows.start, rows.total))
 
 
-def _decompositions() -> dict:
+class _Decompositions(dict):
+    """Inductor's decompositions minus the random ops the pass rewrites. Inductor's cache
+    key pickles the table; some entries are C++ builtins, so it pickles as the function
+    that builds it (its result is decided by compile_rng's sources and torch's, both in
+    the key already)."""
+
+    def __reduce__(self) -> tuple:
+        return (_decompositions, ())
+
+
+def _decompositions() -> _Decompositions:
     # The rewrite handles these itself; Inductor's decompositions would change their values.
     handled = set(RULES) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
-    return {op: fn for op, fn in torch_internals.inductor_decompositions().items() if op not in handled}
-
-
-def _with_pass(user_pass: Callable | None, plan: RngPlan) -> Callable:
-    """The joint-graph pre-pass: compile_rng's rewrite, then the user's own, if any."""
-
-    def joint_pre_pass(graph: fx.Graph) -> None:
-        functionalize_rng(graph, plan)
-        if user_pass is not None:
-            user_pass(graph)
-
-    return joint_pre_pass
+    return _Decompositions(
+        {op: fn for op, fn in torch_internals.inductor_decompositions().items() if op not in handled}
+    )
 
 
 def _compile_inner(
@@ -129,11 +170,7 @@ def _compile_inner(
     if cfg.inner == "inductor":
         from . import lowering  # noqa: F401  (registers the lowerings)
 
-        patches = {
-            **inductor_patches,
-            "fx_graph_cache": False,
-            "joint_custom_pre_pass": _with_pass(inductor_patches.get("joint_custom_pre_pass"), plan),
-        }
+        patches = {**inductor_patches, "joint_custom_pre_pass": JointPass(plan, inductor_patches.get("joint_custom_pre_pass"))}
         with _caches_off():
             return torch_internals.inductor_compile(gm, inputs, patches, _decompositions())
 

@@ -114,8 +114,9 @@ def compile_failures() -> tuple[type[BaseException], ...]:
 
 
 def autograd_cache_off() -> Any:
-    """A context without AOTAutograd's cache: the pass's result (the total advance) lives
-    outside the cached artifact."""
+    """A context without AOTAutograd's cache: a hit there skips tracing and the joint
+    pass, whose result (the total advance) lives outside the cached artifact. Inductor's
+    FX-graph cache (the codegen, keyed on the rewritten graph) stays on."""
     import torch._functorch.config
 
     return torch._functorch.config.patch(enable_autograd_cache=False)
@@ -303,6 +304,10 @@ _LAZY: dict[str, tuple[str, str | None, str]] = {
         "long float32 streams call the C kernel from compiled code",
     ),
     "inductor_ops": ("torch._inductor.virtualized", "ops", "the pointwise ops of a lowering's inner function"),
+    "CustomGraphPass": (
+        "torch._inductor.custom_graph_pass", "CustomGraphPass",
+        "the joint pass's type: Inductor's FX-graph cache keys a custom pass on its uuid() (else bypasses)",
+    ),
 }
 
 

@@ -38,8 +38,9 @@ def test_bench_init_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["rows"]["compile_rng.init tracker (normal_)"]["one_graph"] is True
     for run_kind in ("cold", "warm"):
-        c = result["compile"][run_kind]
+        c = result["compile"][f"compile_rng {run_kind}"]
         assert 0 < c["pass_s"] < c["backend_s"] < c["first_call_s"]
+        assert result["compile"][f"stock {run_kind}"]["first_call_s"] > 0
 
 
 @pytest.mark.slow
