@@ -10,6 +10,7 @@ counters: the state is always "advanced by the whole graph") and passes the key.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -227,10 +228,7 @@ def _with_key_input(
     torch_internals.mark_sourceless_input(key)
     graph.output(output)
     fake_mode = torch_internals.detect_fake_mode(example_inputs)
-    if fake_mode is not None:
-        with fake_mode:  # no real allocation on the device while compiling
-            example = torch.zeros(4 if batched else 2, dtype=torch.int64, device=device)
-    else:
+    with fake_mode or contextlib.nullcontext():  # fake: no real allocation on the device
         example = torch.zeros(4 if batched else 2, dtype=torch.int64, device=device)
     key.meta["example_value"] = key.meta["val"] = example
     new_gm = fx.GraphModule(gm, graph)

@@ -56,10 +56,8 @@ def manual_seed(seed: int) -> None:
     with _lock:
         _cpu_state[:] = [seed, 0]
         _seedings[0] += 1
-    for kind in ACCELERATORS:
-        module = getattr(torch, kind, None)
-        if module is not None and module.is_available():
-            module.manual_seed_all(seed)
+    for kind in device_types()[1:]:
+        getattr(torch, kind).manual_seed_all(seed)
 
 
 def seedings() -> int:
@@ -97,7 +95,7 @@ def set_state(seed: int, offset: int, device: str | torch.device = "cpu") -> Non
 
 def device_types() -> list[str]:
     """The device types with a stream in this process: the CPU and available accelerators."""
-    return ["cpu", *(k for k in ACCELERATORS if getattr(torch, k, None) is not None and getattr(torch, k).is_available())]
+    return ["cpu", *(k for k in ACCELERATORS if hasattr(torch, k) and getattr(torch, k).is_available())]
 
 
 def snapshot() -> dict[str, tuple[int, int]]:
@@ -122,7 +120,8 @@ def advance(increment: int, device: str | torch.device = "cpu") -> tuple[int, in
     kind = _device_type(device)
     if kind != "cpu":
         seed, offset = get_state(device)
-        set_state(seed, _checked_sum(offset, increment), device)
+        # the generator's offset only: re-seeding it per op (set_state) is needless work
+        _generator(kind).set_offset(_checked_sum(offset, increment))
         return seed, offset
     with _lock:
         seed, offset = _cpu_state
