@@ -40,6 +40,11 @@ def dump(path: str | Path) -> Iterator[Path]:
         _dump_dir.reset(token)
 
 
+def dumping() -> bool:
+    """Whether a :func:`dump` block is open (its graphs must come from this compile)."""
+    return _dump_dir.get() is not None
+
+
 def write_plan(plan) -> None:
     """Called by the backend after each compile: writes the plan's files if dumping."""
     folder = _dump_dir.get()

@@ -6,11 +6,21 @@ graph; AOTAutograd carries it into the joint graph, where
 to read it. At run time a thin wrapper reserves the graph's total advance from the
 state *before* calling the compiled graph (so a call that raises still consumed its
 counters: the state is always "advanced by the whole graph") and passes the key.
+
+Caches: the pass's :meth:`JointPass.uuid` (compile_rng's sources, the layout) is in
+Inductor's and AOTAutograd's cache keys. Inductor's FX-graph key holds a DeviceMesh
+input by its ranks and layout (the coordinate is read at run time; a value tracing
+baked in is in the graph's code): one artifact serves every rank. AOTAutograd's key
+hashes the graph before tracing, so a DTensor graph's key gets this process's rank and
+groups mixed in (:func:`compile_rng.plan_store.process_context`). A compile that runs
+the pass files its plan under its AOTAutograd key (:mod:`compile_rng.plan_store`); an
+AOTAutograd hit, which skips the pass, loads it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import time
@@ -26,19 +36,12 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import BATCH_SYMBOLS, ROWS_TOTAL, RngPlan, functionalize_rng
 
-from . import batches, dispatch_modes, state, torch_internals, tracker, verify
-from .dumps import write_plan
+from . import batches, dispatch_modes, plan_store, state, torch_internals, tracker, verify
+from .dumps import dumping, write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
 
 INNERS = ("inductor", "aot_eager")
-
-
-def _caches_off():
-    # The pass's result (the total advance) lives outside the compiled artifact, and an
-    # AOTAutograd cache hit would skip the pass: that cache is off for compile_rng graphs.
-    # Inductor's FX-graph cache stays on: it keys on the rewritten graph and the pass's uuid.
-    return torch_internals.autograd_cache_off()
 
 
 @functools.cache
@@ -57,15 +60,21 @@ def source_hash() -> str:
 
 class JointPass(torch_internals.CustomGraphPass):
     """compile_rng's rewrite as Inductor's ``joint_custom_pre_pass`` (then the user's own
-    pass, if any). Its :meth:`uuid` is what Inductor's FX-graph cache keys the pass on:
-    compile_rng's sources and the layout - no rank, coordinate or device (the rewritten
-    graph computes the coordinate at run time), so one cached artifact serves every rank.
-    A user pass without a uuid makes it ``None``: Inductor then bypasses its cache."""
+    pass, if any). Its :meth:`uuid` is what Inductor's FX-graph and AOTAutograd's caches
+    key the pass on: compile_rng's sources and the layout - no rank, coordinate or device
+    (the rewritten graph computes the coordinate at run time), so one Inductor artifact
+    serves every rank (a DTensor graph's AOTAutograd key gets the rank besides: see the
+    module's docstring). A user pass without a uuid makes it ``None``: the caches are then
+    bypassed."""
 
     def __init__(self, plan: RngPlan, user_pass: Callable | None = None):
         self.plan, self.user_pass = plan, user_pass
 
     def __call__(self, graph: fx.Graph) -> None:
+        # Inductor lowers the graph after this pass; the lowerings are imported here, not
+        # per compile: an AOTAutograd cache hit neither runs the pass nor needs them (1 s)
+        from . import lowering  # noqa: F401
+
         functionalize_rng(graph, self.plan)
         if self.user_pass is not None:
             self.user_pass(graph)
@@ -88,6 +97,21 @@ class BackendConfig:
     batched: bool = False  # dim 0 of every random op is the step's batch (batches.py)
 
 
+def input_symbols(placeholders: Sequence[fx.Node]) -> dict[sympy.Symbol, plan_store.Position]:
+    """Where each size symbol of a Dynamo graph is read from its call arguments:
+    ``(input index, dim)``, dim None for a SymInt input (the first input that has it)."""
+    found: dict[sympy.Symbol, plan_store.Position] = {}
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("example_value")
+        dims = [(None, val)] if isinstance(val, torch.SymInt) else (
+            list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+        )
+        for dim, v in dims:
+            if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+                found.setdefault(v.node.expr, (i, dim))
+    return found
+
+
 class _SizeFn:
     """Evaluates a size expression of the graph (its total advance, its batch rows) for
     the actual call arguments; the batch symbols are given per call."""
@@ -95,17 +119,10 @@ class _SizeFn:
     def __init__(self, expr: sympy.Expr, placeholders: Sequence[fx.Node]):
         self.expr = sympy.sympify(expr)
         self.constant = int(self.expr) if self.expr.is_Integer else None
-        self.bindings: list[tuple[sympy.Symbol, int, int | None]] = []
         needed = self.expr.free_symbols - set(BATCH_SYMBOLS)
-        for i, node in enumerate(placeholders):
-            val = node.meta.get("example_value")
-            dims = [(None, val)] if isinstance(val, torch.SymInt) else (
-                list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
-            )
-            for dim, v in dims:
-                if isinstance(v, torch.SymInt) and v.node.expr in needed:
-                    self.bindings.append((v.node.expr, i, dim))
-                    needed = needed - {v.node.expr}
+        positions = input_symbols(placeholders)
+        self.bindings = [(sym, *positions[sym]) for sym in needed if sym in positions]
+        needed = needed - set(positions)
         if needed:
             raise NotImplementedError(
                 f"compile_rng: the random-op advance {self.expr} depends on {sorted(map(str, needed))}, "
@@ -164,18 +181,55 @@ def _decompositions() -> _Decompositions:
     )
 
 
-def _compile_inner(
-    cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan, inductor_patches: dict
+def _inductor_compile(
+    gm: fx.GraphModule, inputs: list, plan: RngPlan, inductor_patches: dict, placeholders: Sequence[fx.Node],
+    plan_from_cache: bool,
 ) -> Callable:
-    rewrite = functools.partial(_rewrite_module, plan=plan)
-    if cfg.inner == "inductor":
-        from . import lowering  # noqa: F401  (registers the lowerings)
+    """Inductor with the pass as its joint pass, and with AOTAutograd's cache where
+    ``plan_from_cache``: a hit there returns the graph untraced (the pass does not run),
+    and ``plan`` is then loaded as the compile that ran the pass filed it
+    (:mod:`compile_rng.plan_store`); a hit with no plan filed compiles again without
+    that cache and files the plan. Either way ``plan`` describes the compiled graph."""
+    patches = {**inductor_patches, "joint_custom_pre_pass": JointPass(plan, inductor_patches.get("joint_custom_pre_pass"))}
+    decompositions = _decompositions()
 
-        patches = {**inductor_patches, "joint_custom_pre_pass": JointPass(plan, inductor_patches.get("joint_custom_pre_pass"))}
-        with _caches_off():
-            return torch_internals.inductor_compile(gm, inputs, patches, _decompositions())
+    def compile_without_autograd_cache() -> Callable:
+        with torch_internals.autograd_cache_off(), torch_internals.rank_free_mesh_cache_keys():
+            return torch_internals.inductor_compile(gm, inputs, patches, decompositions)
+
+    if not plan_from_cache:
+        return compile_without_autograd_cache()
+    torch_internals.register_device_mesh_ops()  # a DTensor graph's cached code calls them
+    context = plan_store.process_context(gm)
+    with torch_internals.autograd_cache_keys(context) as keys, torch_internals.rank_free_mesh_cache_keys():
+        compiled = torch_internals.inductor_compile(gm, inputs, patches, decompositions)
+    key = keys[0] if keys else None
+    positions = input_symbols(placeholders)
+    if not plan.pass_runs:  # an AOTAutograd hit: the graph came back untraced
+        filed = plan_store.load(key, {pos: sym for sym, pos in positions.items()}) if key else None
+        if filed is not None:
+            for f in dataclasses.fields(RngPlan):
+                if f.name not in ("name", "pass_runs", "pass_seconds"):  # those are this compile's
+                    setattr(plan, f.name, getattr(filed, f.name))
+            return compiled
+        # No plan filed for it (the folder was cleared): compile with the pass, and file
+        # its plan under the hit's key, so the next process finds it.
+        compiled = compile_without_autograd_cache()
+    if key is not None:
+        plan_store.save(key, plan, positions)
+    return compiled
+
+
+def _compile_inner(
+    cfg: BackendConfig, gm: fx.GraphModule, inputs: list, plan: RngPlan, inductor_patches: dict,
+    placeholders: Sequence[fx.Node], plan_from_cache: bool,
+) -> Callable:
+    if cfg.inner == "inductor":
+        return _inductor_compile(gm, inputs, plan, inductor_patches, placeholders, plan_from_cache)
 
     from functorch.compile import make_boxed_func
+
+    rewrite = functools.partial(_rewrite_module, plan=plan)
 
     def fw(g, _inputs):
         rewrite(g)
@@ -188,7 +242,7 @@ def _compile_inner(
     # The random ops Inductor decomposes (rrelu's noise into uniform) are decomposed here
     # too, so the pass sees the same random ops whichever compiler follows it.
     random_decompositions = {op: fn for op, fn in _decompositions().items() if is_random(op)}
-    with _caches_off():
+    with torch_internals.autograd_cache_off():
         return torch_internals.aot_autograd(
             fw_compiler=fw, bw_compiler=fw, partition_fn=partition, decompositions=random_decompositions
         )(gm, inputs)
@@ -286,16 +340,21 @@ class Backend:
         )
         device = _graph_device(gm, list(example_inputs))
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched, device)
+        check = verify.enabled(self.config.verify)
+        # verify needs the ops' meshes, explain and dumps the pass's own record: the
+        # pass runs for them (a filed plan has neither meshes nor this compile's dump)
+        plan_from_cache = not (check or self.config.collect_unsupported or dumping())
         start = time.perf_counter()
         with tracker.tracing_for_backend(self.config.mode):
-            compiled = _compile_inner(self.config, keyed_gm, inputs, plan, inductor_patches)
+            compiled = _compile_inner(
+                self.config, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
+            )
         plan.compile_seconds = time.perf_counter() - start
         advance = _SizeFn(plan.total_advance, placeholders)
         key_of = _BatchKey(plan, placeholders, device) if plan.batched else None
         self.plans.append(plan)
         write_plan(plan)
 
-        check = verify.enabled(self.config.verify)
         graph_signature = verify.signature(plan)
         groups = []
 

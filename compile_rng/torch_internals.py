@@ -2,7 +2,9 @@
 
 Each item says why compile_rng needs it; all were checked on torch 2.13.0 and 2.15.0
 (2.14 has the same modules). The changes compile_rng *makes* to torch live in
-:mod:`compile_rng.installation`, which reads them through this module.
+:mod:`compile_rng.installation`, which reads them through this module - except two
+that last only for the backend's own compile (:func:`autograd_cache_keys`,
+:func:`rank_free_mesh_cache_keys`), which live here beside what they patch.
 
 Nothing heavy is imported here at module import: DTensor, Dynamo, Inductor and sympy
 come in through functions, or through the lazy names of :data:`_LAZY`
@@ -11,7 +13,9 @@ come in through functions, or through the lazy names of :data:`_LAZY`
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "OpOverload",
     "TorchDispatchMode",
     "aot_autograd",
+    "autograd_cache_keys",
     "autograd_cache_off",
     "compile_failures",
     "copy_dynamo_input_sources",
@@ -45,6 +50,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "dtensor_spec",
     "fake_store",
     "get_proxy_mode",
+    "inductor_cache_dir",
     "inductor_compile",
     "inductor_decompositions",
     "local_tensor",
@@ -54,6 +60,8 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "op_arguments",
     "op_name",
     "pop_dispatch_mode_temporarily",
+    "rank_free_mesh_cache_keys",
+    "register_device_mesh_ops",
     "rng_tracker",
     "set_rng_tracker",
     "split_factor",
@@ -115,11 +123,91 @@ def compile_failures() -> tuple[type[BaseException], ...]:
 
 def autograd_cache_off() -> Any:
     """A context without AOTAutograd's cache: a hit there skips tracing and the joint
-    pass, whose result (the total advance) lives outside the cached artifact. Inductor's
-    FX-graph cache (the codegen, keyed on the rewritten graph) stays on."""
+    pass, for compiles that need the pass to run (verify's meshes, explain, dumps, a hit
+    with no plan filed). Inductor's FX-graph cache (keyed on the rewritten graph) stays on."""
     import torch._functorch.config
 
     return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+@contextlib.contextmanager
+def autograd_cache_keys(context: str) -> Iterator[list[str]]:
+    """AOTAutograd's cache keys inside the block, with ``context`` mixed in, recorded in
+    order (the first is the compile's own). A hit there hands back the compiled graph
+    without tracing it, so the joint pass does not run: the backend files each graph's
+    plan under the key of the compile that ran the pass, and finds it again on a hit.
+    ``context`` is what of this process the traced graph depends on besides what torch's
+    key hashes (:func:`compile_rng.plan_store.process_context`); the lookup and the save
+    both use the key returned here. ``AOTAutogradCache.try_load`` calls the module's
+    ``autograd_cache_key`` (2.13, 2.15); the patch lasts for the block, which runs under
+    Dynamo's compile lock, so no other compile's key is touched."""
+    import hashlib
+
+    import torch._functorch._aot_autograd.autograd_cache as module
+
+    keys: list[str] = []
+    found = module.autograd_cache_key
+
+    def keyed(*args: Any, **kwargs: Any) -> Any:
+        key, debug_lines = found(*args, **kwargs)
+        if context:
+            key = f"{key}-{hashlib.blake2b(context.encode(), digest_size=8).hexdigest()}"
+        keys.append(key)
+        return key, debug_lines
+
+    module.autograd_cache_key = keyed
+    try:
+        yield keys
+    finally:
+        module.autograd_cache_key = found
+
+
+@contextlib.contextmanager
+def rank_free_mesh_cache_keys() -> Iterator[None]:
+    """Inductor's FX-graph cache key with a DeviceMesh graph input reduced to the mesh's
+    ``_stable_hash()`` (its ranks, layout, device type and dim names: what DTensor's
+    guards and AOTAutograd's cache key use), not to its pickled ``__dict__``, which holds
+    the process's rank, coordinate and ``hash()`` (a different key in every process).
+    AOTAutograd lifts a DTensor's mesh into the graph as an opaque input; the compiled
+    code reads nothing rank-specific from it at compile time (a value it bakes in is in
+    the graph's code, which the key hashes). Lasts for the block (the backend's own
+    compile, under Dynamo's compile lock): other compiles keep torch's key.
+    ``FxGraphCachePickler._reduce_fake_script_object`` is looked up when a pickler is
+    made (2.13, 2.15)."""
+    if not torch.distributed.is_available():
+        yield
+        return
+    from torch._inductor.codecache import FxGraphCachePickler
+    from torch.distributed.device_mesh import DeviceMesh
+
+    stock = FxGraphCachePickler.__dict__["_reduce_fake_script_object"]
+
+    def reduce(self: Any, obj: Any) -> Any:
+        if isinstance(obj.real_obj, DeviceMesh):
+            return (str, (f"{obj.script_class_name}:{obj.real_obj._stable_hash()}",))
+        return stock(self, obj)
+
+    FxGraphCachePickler._reduce_fake_script_object = reduce
+    try:
+        yield
+    finally:
+        FxGraphCachePickler._reduce_fake_script_object = stock
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default): compile_rng's
+    plans are kept beside the artifacts they describe."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def register_device_mesh_ops() -> None:
+    """Register ``torch.ops.device_mesh`` (the runtime mesh coordinate of a graph traced
+    with ``compile_on_one_rank``). Tracing registers it; a graph loaded from the cache
+    is not traced, and calling it would fail on an unregistered op."""
+    if torch.distributed.is_available():
+        importlib.import_module("torch.distributed._ops.device_mesh")
 
 
 def inductor_decompositions() -> dict:

@@ -119,6 +119,9 @@ class RngPlan:
     #: explain() sets this: unsupported ops are recorded and left in place.
     collect_unsupported: bool = False
     unsupported: list[Unsupported] = field(default_factory=list)
+    #: how often the pass ran on this plan's graphs (0: the compiled graph came from
+    #: AOTAutograd's cache, untraced, and the backend loaded this plan as it was filed)
+    pass_runs: int = 0
     #: wall time spent in this pass, and in the whole backend compile (set by the backend)
     pass_seconds: float = 0.0
     compile_seconds: float = 0.0
@@ -126,6 +129,11 @@ class RngPlan:
     #: ``local_rows`` is that dim's size, the same for every op (None until one is seen)
     batched: bool = False
     local_rows: sympy.Expr | None = None
+
+    @property
+    def cached(self) -> bool:
+        """The compiled graph came from AOTAutograd's cache and this plan was loaded."""
+        return self.pass_runs == 0
 
 
 def source_of(node: fx.Node) -> str:
@@ -309,6 +317,7 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
     unchanged, so the pass can run on the joint graph and again on its partitions.
     """
     start = time.perf_counter()
+    plan.pass_runs += 1
     try:
         _functionalize(graph, plan)
     finally:
