@@ -238,8 +238,8 @@ def _stock_caches_off(on: bool):
     """Stock Inductor's FX-graph / AOTAutograd caches hand a process a graph compiled in
     another one with that process's process-group *names* baked into its collectives
     (seen here on the 2-D mesh: "Could not resolve the process group registered under
-    the name 4"; pytorch #188390 is the same class of bug). compile_rng's graphs bypass
-    those caches; the stock baseline must too."""
+    the name 4"; pytorch #188390 is the same class of bug). compile_rng keys its DTensor
+    graphs' AOTAutograd entries per rank and groups; the stock baseline runs uncached."""
     if not on:
         yield
         return
