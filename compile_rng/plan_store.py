@@ -29,7 +29,6 @@ from pathlib import Path
 import sympy
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from compile_rng.passes.functionalize_rng import RngPlan
 
@@ -51,12 +50,16 @@ def process_context(gm: fx.GraphModule) -> str:
     from torch.distributed.tensor import DTensor
 
     meshes = set()
+
+    def collect(value):
+        if isinstance(value, DTensor):
+            meshes.add(value.device_mesh)
+        elif isinstance(value, DeviceMesh):
+            meshes.add(value)
+        return value
+
     for node in gm.graph.nodes:
-        for value in tree_leaves((node.meta.get("example_value"), node.args, node.kwargs)):
-            if isinstance(value, DTensor):
-                meshes.add(value.device_mesh)
-            elif isinstance(value, DeviceMesh):
-                meshes.add(value)
+        fx.node.map_aggregate((node.meta.get("example_value"), node.args, node.kwargs), collect)
     if not meshes:
         return ""
     groups = sorted(
