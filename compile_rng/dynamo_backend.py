@@ -205,7 +205,7 @@ def _inductor_compile(
         compiled = torch_internals.inductor_compile(gm, inputs, patches, decompositions)
     key = keys[0] if keys else None
     positions = input_symbols(placeholders)
-    if not plan.pass_runs:  # an AOTAutograd hit: the graph came back untraced
+    if plan.cached:  # an AOTAutograd hit: the graph came back untraced
         filed = plan_store.load(key, {pos: sym for sym, pos in positions.items()}) if key else None
         if filed is not None:
             for f in dataclasses.fields(RngPlan):

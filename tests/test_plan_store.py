@@ -29,15 +29,14 @@ def program(x):
     return F.dropout(x, 0.25) + torch.rand_like(x)
 
 
-def reference(x: torch.Tensor, base: int) -> torch.Tensor:
-    n = x.numel()
-    dropped, _ = ops.dropout(ops.make_key(SEED, base), 0, x, [x.shape[1], 1], 0.25)
-    after = base + (n + 3) // 4 * 4
-    return dropped + ops.uniform(ops.make_key(SEED, after), 0, list(x.shape), [x.shape[1], 1], 0.0, 1.0, x.dtype)
-
-
 def ceil4(n: int) -> int:
     return (n + 3) // 4 * 4
+
+
+def reference(x: torch.Tensor, base: int) -> torch.Tensor:
+    dropped, _ = ops.dropout(ops.make_key(SEED, base), 0, x, [x.shape[1], 1], 0.25)
+    after = base + ceil4(x.numel())
+    return dropped + ops.uniform(ops.make_key(SEED, after), 0, list(x.shape), [x.shape[1], 1], 0.0, 1.0, x.dtype)
 
 
 @pytest.fixture
