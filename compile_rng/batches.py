@@ -23,31 +23,13 @@ Outside a step a batched graph's tensors are the whole batch (``start = 0``,
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import state
-
-
-@dataclass(frozen=True)
-class Rows:
-    """This call's rows of the step's global batch: ``[start, start + count)`` of ``total``."""
-
-    start: int
-    count: int
-    total: int
-
-
-_rows: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("compile_rng_rows", default=None)
-
-
-def current_rows() -> Rows | None:
-    """The rows the innermost step or microbatch assigns to batched graphs here."""
-    return _rows.get()
+from . import dispatch_modes, state
+from .rows import Rows, reset_rows, set_rows
 
 
 def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
@@ -122,11 +104,11 @@ class Step:
         mine = Rows(self.rows.start + self._used, rows, self.rows.total)
         self._used += rows
         state.restore(self._start)
-        token = _rows.set(mine)
+        token = set_rows(mine)
         try:
             yield mine
         finally:
-            _rows.reset(token)
+            reset_rows(token)
             self._ends.append(state.snapshot())
 
     def _finish(self) -> None:
@@ -158,9 +140,10 @@ def step(local_batch: int, *, data_parallel: Any = None, global_batch: int | Non
     if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
         raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
     s = Step(_rank_rows(local_batch, data_parallel, global_batch))
-    token = _rows.set(s.rows)
+    token = set_rows(s.rows)
     try:
-        yield s
+        with dispatch_modes.compiled_call():  # eager random ops in the block draw at the rows too
+            yield s
     finally:
-        _rows.reset(token)
+        reset_rows(token)
     s._finish()

@@ -23,6 +23,7 @@ import torch
 from . import ops as cr_ops
 from . import state
 from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
+from .rows import batch_window, current_rows
 from .stream import ceil4, contiguous_strides
 from .torch_internals import (
     OpOverload,
@@ -201,11 +202,17 @@ class RandomOpMode(TorchDispatchMode):
 
 
 def _plain_counters(func, size, device):
-    numel = 1
-    for s in size:
-        numel *= s
-    seed, base = state.advance(ceil4(numel), device)
-    return cr_ops.make_key(seed, base, device), 0, contiguous_strides(size)
+    # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
+    rows = current_rows()
+    if rows is None:
+        numel = 1
+        for s in size:
+            numel *= s
+        offset, advance = 0, ceil4(numel)
+    else:
+        offset, advance = batch_window(func, size, rows)
+    seed, base = state.advance(advance, device)
+    return cr_ops.make_key(seed, base, device), offset, contiguous_strides(size)
 
 
 @contextlib.contextmanager

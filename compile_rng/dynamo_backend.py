@@ -36,10 +36,11 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import BATCH_SYMBOLS, ROWS_TOTAL, RngPlan, functionalize_rng
 
-from . import batches, dispatch_modes, plan_store, state, torch_internals, tracker, verify
+from . import dispatch_modes, plan_store, state, torch_internals, tracker, verify
 from .dumps import dumping, write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
+from .rows import Rows, current_rows
 
 INNERS = ("inductor", "aot_eager")
 
@@ -146,11 +147,11 @@ class _BatchKey:
         self.draws = plan.local_rows is not None  # a graph without random ops has no batch
         self.local_rows = _SizeFn(plan.local_rows if self.draws else 0, placeholders)
 
-    def rows(self, args: Sequence[Any]) -> batches.Rows:
+    def rows(self, args: Sequence[Any]) -> Rows:
         count = self.local_rows(args)
-        rows = batches.current_rows()
+        rows = current_rows()
         if rows is None or not self.draws:
-            return batches.Rows(0, count, count)
+            return Rows(0, count, count)
         if rows.count != count:
             raise ValueError(
                 f"compile_rng: the batched graph {self.name} draws on activations of {count} rows, but the "
@@ -159,7 +160,7 @@ class _BatchKey:
             )
         return rows
 
-    def __call__(self, seed: int, offset: int, rows: batches.Rows) -> torch.Tensor:
+    def __call__(self, seed: int, offset: int, rows: Rows) -> torch.Tensor:
         return make_key(seed, offset, self.device, rows=(rows.start, rows.total))
 
 

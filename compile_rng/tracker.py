@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from . import ops as cr_ops
 from . import state, verify
 from .dispatch_modes import RandomOpMode, current_mode
+from .rows import batch_window, current_rows
 from .spmd import Sharding
 from .torch_internals import (
     OffsetBasedRNGTracker,
@@ -181,7 +182,9 @@ class Tracker(OffsetBasedRNGTracker):
             # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
             yield
             return
-        mode = _tracing_for_compile_rng.get() if tracing else current_mode()
+        # Eager inside a step: the rows of the batch, in the layout batched graphs use.
+        rows = None if tracing else current_rows()
+        mode = _tracing_for_compile_rng.get() if tracing else ("invariant" if rows is not None else current_mode())
         if mode is None:
             raise RuntimeError(
                 "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
@@ -201,7 +204,11 @@ class Tracker(OffsetBasedRNGTracker):
                     str(func), mode, sharding, offset, sharding.advance(), tuple(coords), spec.mesh
                 )
                 return key, offset, strides
-            seed, base = state.advance(int(sharding.advance()), device)
+            advance = int(sharding.advance())
+            if rows is not None:
+                row_offset, advance = batch_window(func, sharding.global_shape, rows)
+                offset = offset + row_offset
+            seed, base = state.advance(advance, device)
             return cr_ops.make_key(seed, base, device), offset, strides
 
         with RandomOpMode(counters):
