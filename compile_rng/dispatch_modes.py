@@ -79,6 +79,15 @@ def _out_device(kw: dict) -> torch.device:
     return torch.device(device) if device is not None else torch.get_default_device()
 
 
+def drawn_shape(func: OpOverload, args: tuple, kwargs: dict) -> list | None:
+    """The shape of the tensor ``func`` draws, if it is a random op with a counter-based
+    form (None otherwise: the modes here refuse the other random ops themselves)."""
+    functional = INPLACE.get(func, func)
+    if functional not in RULES:
+        return None
+    return list(_out_shape_dtype(functional, _normalize(func, args, kwargs))[0])
+
+
 def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
     """The device random op ``func`` draws on, from its arguments."""
     return _out_device(_normalize(func, args, kwargs))
@@ -257,10 +266,12 @@ def in_compiled_call() -> bool:
 
 @contextlib.contextmanager
 def graph_call() -> Iterator[None]:
-    """Around a compiled graph: its ops skip :func:`compiled_call`'s mode (their random
-    ops are functional already), which saves a Python dispatch per op."""
-    if isinstance(current_dispatch_mode(), _SegmentMode):
-        with pop_dispatch_mode_temporarily():
-            yield
-    else:
+    """Around a compiled graph, and around a compile: the graph's ops skip
+    :func:`compiled_call`'s modes (its random ops are functional already, which saves a
+    Python dispatch per op), and so does the compile - a compile can run while a step's
+    eager code runs (DDP's optimizer compiles its pieces at their first call), and
+    Inductor traces its own patterns then, random ops included."""
+    with contextlib.ExitStack() as stack:
+        while isinstance(current_dispatch_mode(), _SegmentMode):
+            stack.enter_context(pop_dispatch_mode_temporarily())
         yield

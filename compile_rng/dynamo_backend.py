@@ -36,7 +36,7 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import BATCH_SYMBOLS, ROWS_TOTAL, RngPlan, functionalize_rng
 
-from . import dispatch_modes, plan_store, state, torch_internals, tracker, verify
+from . import dispatch_modes, local_shards, plan_store, state, torch_internals, tracker, verify
 from .dumps import dumping, write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
@@ -341,12 +341,13 @@ class Backend:
         )
         device = _graph_device(gm, list(example_inputs))
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched, device)
+        local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
         check = verify.enabled(self.config.verify)
         # verify needs the ops' meshes, explain and dumps the pass's own record: the
         # pass runs for them (a filed plan has neither meshes nor this compile's dump)
         plan_from_cache = not (check or self.config.collect_unsupported or dumping())
         start = time.perf_counter()
-        with tracker.tracing_for_backend(self.config.mode):
+        with tracker.tracing_for_backend(self.config.mode), dispatch_modes.graph_call():
             compiled = _compile_inner(
                 self.config, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
             )

@@ -46,6 +46,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "distribute_region",
     "dispatch_mode_stack",
     "dtensor_op_handlers",
+    "dtensor_operands_kept",
     "dtensor_random",
     "dtensor_spec",
     "fake_store",
@@ -328,6 +329,36 @@ def dtensor_op_handlers() -> dict:
 def dtensor_spec(dtensor: Any) -> Any:
     """A DTensor's ``DTensorSpec`` (mesh, placements, shape): what the tracker receives."""
     return dtensor._spec
+
+
+@contextlib.contextmanager
+def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
+    """Inside the block DTensor's dispatch raises ``error`` where it would change an
+    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
+    a change of non-tensor arguments only - a view's global sizes made local - still
+    runs). :mod:`compile_rng.local_shards` runs a plain program's ops on DTensors this
+    way: the local op computes a shard of the DTensor op only where nothing moves."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    dispatcher = DTensor._op_dispatcher
+    stock = dispatcher.redistribute_local_args
+
+    def placements(args: Any) -> list:
+        return [s.placements for s in pytree.tree_leaves(args) if isinstance(s, DTensorSpec)]
+
+    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
+        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
+        if placements(op_info.flat_args_schema) != placements(suggested.args_schema):
+            raise error(f"{op_info.schema} needs {suggested}")
+        return stock(op_info, suggested, use_val)
+
+    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
+    try:
+        yield
+    finally:
+        del dispatcher.redistribute_local_args
 
 
 def local_tensor(tensor: Any) -> Any:
