@@ -4,7 +4,10 @@
 One process. Each part of the model (embedding, every block, head) is compiled on its
 own, as in the example: with ``compile_rng.backend(layout="invariant", batched=True)``
 inside ``compile_rng.step`` (invariant), with ``backend="compile_rng"`` (tracker), and
-with stock Inductor (compile_rng uninstalled); "eager" is stock torch uncompiled. After
+with stock Inductor (compile_rng uninstalled); "eager" is stock torch uncompiled, and
+"eager-step" the same model uncompiled inside ``compile_rng.step`` (invariant values on
+the eager path: one Python dispatch per aten op; the per-op cost is its difference from
+"eager" over the aten ops a forward + backward runs). After
 warm-up steps (compilation), the median of ``--repeat`` timed forward + backward + AdamW
 steps, for each ``--threads`` count; prints seconds per step and the ratio to stock
 Inductor from the same run, and the bytes the forward saves for backward (measured with
@@ -54,7 +57,7 @@ def step_times(mode: str, c: Config, warmup: int, repeat: int) -> tuple[list[flo
     compile_rng.install() if mode not in ("stock", "eager") else compile_rng.uninstall()
     try:
         model = make_model(c, torch.float32)
-        if mode != "eager":
+        if mode not in ("eager", "eager-step"):
             backend = _backend(mode)  # one backend for every part: Dynamo recompiles on a new one
             for part in model.compiled_parts():
                 part.compile(backend=backend)
@@ -65,7 +68,7 @@ def step_times(mode: str, c: Config, warmup: int, repeat: int) -> tuple[list[flo
         times = []
         for i in range(warmup + repeat):
             start = time.perf_counter()
-            step = compile_rng.step(c.batch) if mode == "invariant" else contextlib.nullcontext()
+            step = compile_rng.step(c.batch) if mode in ("invariant", "eager-step") else contextlib.nullcontext()
             hooks, saved = _saved_bytes() if i == warmup + repeat - 1 else (contextlib.nullcontext(), [0])
             with step:
                 with hooks:
@@ -78,6 +81,24 @@ def step_times(mode: str, c: Config, warmup: int, repeat: int) -> tuple[list[flo
         return times, saved[0]
     finally:
         compile_rng.install()
+
+
+def aten_ops_per_step(c: Config) -> int:
+    """The aten ops one eager forward + backward of the model dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(c, torch.float32)
+    tokens = torch.randint(0, c.vocab, (c.batch, c.seq + 1))
+    with Count():
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, c.vocab), tokens[:, 1:].reshape(-1)).backward()
+    return Count.n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for mode in (*MODES, "eager"):
+        for mode in (*MODES, "eager", "eager-step"):
             progress(f"bench_train_step: {mode}, {threads} thread(s)")
             times, saved = step_times(mode, c, args.warmup, args.repeat)
             rows[f"{threads}/{mode}"] = {
@@ -110,8 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         r["vs_stock"] = r["median_s"] / rows[f"{r['threads']}/stock"]["median_s"]
         print(f"  {r['threads']:<8}{r['mode']:<12}{r['median_s']:>15.4f}{r['min_s']:>13.4f}{r['vs_stock']:>9.3f}x"
               f"{r['saved_for_backward_bytes'] / 2**20:>12.1f} MiB")
+    ops = aten_ops_per_step(c)
+    for threads in args.threads:
+        extra = rows[f"{threads}/eager-step"]["median_s"] - rows[f"{threads}/eager"]["median_s"]
+        print(f"  eager code inside compile_rng.step, {threads} thread(s): {extra / ops * 1e6:.1f} us per aten op "
+              f"({ops} aten ops per forward + backward)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": c.__dict__, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"config": c.__dict__, "rows": rows, "aten_ops": ops}, indent=1))
 
 
 if __name__ == "__main__":

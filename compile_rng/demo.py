@@ -14,7 +14,8 @@ an eager run (compile_rng is DTensor's RNG tracker on CPU, so eager is defined t
 the local shards must equal the canonical stream at the tracker offsets. Stock PyTorch
 2.13 on a CPU mesh gives every shard the same values.
 
-Run: ``python -m compile_rng demo [--world 4]`` (or ``python examples/demo.py``).
+Run: ``python -m compile_rng demo [--world 4]`` (or ``python examples/demo.py``), or
+``torchrun --nproc-per-node 4 examples/demo.py`` (the ranks torchrun starts).
 ``explain_target`` builds the same model on one process (a fake 4-rank process group)
 for ``python -m compile_rng explain compile_rng.demo:explain_target``.
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .launch import progress, spawn
+from .launch import progress, reporting, results_dict, spawn, torchrun_world
 
 SEED = 2026
 HIDDEN, DIM, BATCH = 64, 16, 8
@@ -146,11 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="number of CPU ranks (divides 64)")
     args = parser.parse_args(argv)
-    print(f"compile_rng demo: {args.world} gloo ranks, tensor-parallel MLP, torch {torch.__version__}")
-    print("compiling init and forward/backward on every rank (Inductor; ~1-2 min on 2 cores)", flush=True)
+    args.world = torchrun_world() or args.world
+    if reporting():
+        print(f"compile_rng demo: {args.world} gloo ranks, tensor-parallel MLP, torch {torch.__version__}")
+        print("compiling init and forward/backward on every rank (Inductor; ~1-2 min on 2 cores)", flush=True)
     progress(f"starting {args.world} gloo ranks")
-    results = torch.multiprocessing.Manager().dict()
-    spawn(run_rank, args.world, results)
+    results = results_dict()
+    if not spawn(run_rank, args.world, results):
+        return  # another torchrun rank: rank 0 reports
     rows = [
         ("sharded weight (up.weight) differs on every rank", results["weights_sharded_distinct"]),
         ("sharded hidden dropout masks differ on every rank", results["hidden_masks_distinct"]),

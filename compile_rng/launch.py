@@ -2,7 +2,9 @@
 benchmarks and the tests share.
 
 * :func:`spawn` runs ``body(rank, world, *args)`` on ``world`` gloo ranks of this
-  machine (a fresh process group on a free port) and raises if any rank fails;
+  machine (a fresh process group on a free port) and raises if any rank fails; under
+  ``torchrun`` (one or several nodes) it runs this process's rank instead, in the
+  process group torchrun's environment describes;
 * :func:`progress` prints a timestamped line on stderr, on rank 0 only, so that a
   person at a terminal sees what a long step is doing.
 """
@@ -46,13 +48,66 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> Non
     os._exit(0)
 
 
-def spawn(body: Callable, world: int, *args) -> None:
+def torchrun_world() -> int | None:
+    """The world size ``torchrun`` started this process in (None: not started by torchrun)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _torchrun_group() -> None:
+    """The default process group of a torchrun job (gloo: CPU tensors), made once; it
+    lives until the process ends, so one job runs several bodies."""
+    import atexit
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        atexit.register(dist.destroy_process_group)
+
+
+def spawn(body: Callable, world: int, *args) -> bool:
     """``body(rank, world, *args)`` on ``world`` gloo ranks (each with the default
     process group initialized); raises if any rank fails. ``body`` and ``args`` must be
-    picklable (a module-level function)."""
+    picklable (a module-level function).
+
+    Under ``torchrun`` this process is one of the ranks: ``body`` runs here, for this
+    rank, and ``world`` must be torchrun's world size. Returns whether this process
+    reports the results: the parent of spawned ranks, or rank 0 under torchrun.
+    """
+    launched = torchrun_world()
+    if launched is None:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_entry, args=(world, free_port(), body, args), nprocs=world, join=True)
+        return True
+    if launched != world:
+        raise SystemExit(
+            f"compile_rng: this run needs {world} ranks, but torchrun started {launched}; "
+            f"launch it with torchrun --nproc-per-node {world} (or without torchrun)"
+        )
+    import torch.distributed as dist
+
+    _torchrun_group()
+    body(dist.get_rank(), world, *args)
+    dist.barrier()  # no rank moves on while another is still in a collective
+    return dist.get_rank() == 0
+
+
+def reporting() -> bool:
+    """Whether this process prints a run's report: always, but for torchrun's ranks other than 0."""
+    return torchrun_world() is None or os.environ.get("RANK", "0") == "0"
+
+
+def results_dict() -> dict:
+    """A dict the ranks' ``body`` can fill for the reporting process: shared across spawned
+    processes, a plain dict under torchrun (rank 0 reports what it filled itself)."""
+    if torchrun_world() is not None:
+        return {}
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world, free_port(), body, args), nprocs=world, join=True)
+    return mp.Manager().dict()
 
 
 def progress(message: str) -> None:

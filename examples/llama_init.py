@@ -12,7 +12,7 @@ full weights and compares them with the single-device ones, bitwise:
 * ``invariant + key=fqn``: every parameter's stream is derived from its name -
   identical everywhere, pipeline stages included, with no seed checkpoint.
 
-Run: ``python examples/llama_init.py``
+Run: ``python examples/llama_init.py`` (or ``torchrun --nproc-per-node 4 examples/llama_init.py``)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compile_rng.launch import progress, spawn
+from compile_rng.launch import progress, results_dict, spawn
 
 WORLD = 4
 SEED = 1234
@@ -187,8 +187,9 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
 def run(args: argparse.Namespace) -> dict:
     """Spawn the 4 ranks; returns rank 0's results (table, timings, parameter count)."""
     progress(f"starting {WORLD} gloo ranks")
-    results = torch.multiprocessing.Manager().dict()
-    spawn(run_rank, WORLD, args, results)
+    results = results_dict()
+    if not spawn(run_rank, WORLD, args, results):
+        return {}  # another torchrun rank: rank 0 reports
     return dict(results)
 
 
@@ -212,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     results = run(parse_args())
+    if not results:
+        return
     configs = {"tp": "TP=2", "fsdp": "FSDP=2", "fsdp_tp": "FSDP=2 x TP=2", "pp": "PP=2 stages"}
     print(f"Llama-style model, {results['params']:,} parameters, {WORLD} gloo ranks; "
           "full weights vs single-device init, bitwise:")
