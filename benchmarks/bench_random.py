@@ -1,7 +1,10 @@
 """Random-number throughput: compile_rng vs eager PyTorch vs stock Inductor vs memset.
 
 Every figure is measured in the same run on the same machine; ratios are what to
-compare (absolute times drift). For each thread count (1 and all cores) it times:
+compare (absolute times drift). Prints the CPU and the instruction-set build of
+compile_rng's CPU kernel (``compile_rng.cpu_kernel.isa()``); ``--isa avx2 baseline ...``
+measures each named build in turn (forced with ``COMPILE_RNG_CPU_ISA``), each with its
+own baselines. For each build and thread count (1 and all cores) it times:
 
 * compile_rng: ``torch.rand`` / ``torch.randn`` / ``F.dropout`` compiled with
   ``backend="compile_rng"`` (the whole user path: wrapper + fused Philox kernel), and
@@ -9,8 +12,9 @@ compare (absolute times drift). For each thread count (1 and all cores) it times
 * baselines: eager ``uniform_`` / ``normal_`` / ``F.dropout``, the same three compiled
   by stock Inductor, and ``fill_`` (memset floor).
 
-Prints ns/element with ratios and writes JSON. ``--size`` and ``--repeat`` shrink it
-for a smoke run.
+Prints ns/element (the best of ``--repeat`` runs: on a shared machine the fastest run
+is the least disturbed) with ratios and writes JSON. ``--size`` and ``--repeat`` shrink
+it for a smoke run.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import platform
 import time
 from collections.abc import Callable
 
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import compile_rng
-from compile_rng import ops
+from compile_rng import cpu_kernel, ops
 from compile_rng.launch import progress
 
 
@@ -38,7 +42,7 @@ def timeit(fn: Callable[[], object], repeat: int) -> float:
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def cases(n: int) -> dict[str, tuple[str, Callable[[], object]]]:
@@ -68,18 +72,33 @@ BASELINES = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": 
 STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
 
 
-def run(n: int, repeat: int, threads: list[int]) -> list[dict]:
+def cpu_name() -> str:
+    """The CPU model (Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def run(n: int, repeat: int, threads: list[int], isa: str) -> list[dict]:
+    """Every case at every thread count with the CPU kernel's ``isa`` build."""
+    os.environ[cpu_kernel.ISA_ENV] = isa
+    cpu_kernel.isa()  # a build this CPU cannot run fails here, before any timing
     rows = []
     for t in threads:
         torch.set_num_threads(t)
         torch._dynamo.reset()  # Inductor bakes the thread count into its kernels
         timed = {}
         for name, (group, fn) in cases(n).items():
-            progress(f"{t} thread(s): {name} (compile, warm-up, {repeat} timed runs)")
+            progress(f"{isa}, {t} thread(s): {name} (compile, warm-up, {repeat} timed runs)")
             timed[name] = (group, timeit(fn, repeat))
         memset = timed["memset fill_"][1]
         for name, (group, sec) in timed.items():
-            row = {"threads": t, "case": name, "group": group, "ns_per_elem": sec / n * 1e9,
+            row = {"isa": isa, "threads": t, "case": name, "group": group, "ns_per_elem": sec / n * 1e9,
                    "x_memset": sec / memset}
             if group in BASELINES:
                 row["speedup_vs_eager"] = timed[BASELINES[group]][1] / sec
@@ -88,15 +107,17 @@ def run(n: int, repeat: int, threads: list[int]) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], n: int) -> None:
-    print(f"\n{n:,} float32 elements; median of repeats; speedup > 1 means faster than the baseline")
-    header = f"{'threads':>7}  {'case':<30} {'ns/elem':>8} {'x memset':>9} {'vs eager':>9} {'vs inductor':>12}"
+def print_table(rows: list[dict], n: int, cpu: str) -> None:
+    print(f"\n{cpu}; {n:,} float32 elements; best of repeats; speedup > 1 means faster than the baseline")
+    header = (f"{'isa':<8} {'threads':>7}  {'case':<30} {'ns/elem':>8} {'x memset':>9} {'vs eager':>9} "
+              f"{'vs inductor':>12}")
     print(header)
     print("-" * len(header))
     for r in rows:
         eager = f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else ""
         ind = f"{r['speedup_vs_inductor']:.2f}x" if "speedup_vs_inductor" in r else ""
-        print(f"{r['threads']:>7}  {r['case']:<30} {r['ns_per_elem']:>8.2f} {r['x_memset']:>9.1f} {eager:>9} {ind:>12}")
+        print(f"{r['isa']:<8} {r['threads']:>7}  {r['case']:<30} {r['ns_per_elem']:>8.2f} {r['x_memset']:>9.1f} "
+              f"{eager:>9} {ind:>12}")
 
 
 def main() -> None:
@@ -105,12 +126,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", default="bench-random.json")
     parser.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all cores)")
+    parser.add_argument("--isa", nargs="*", choices=list(cpu_kernel.ISA_FLAGS),
+                        help="CPU kernel builds to measure in turn (default: the one chosen for this CPU)")
     args = parser.parse_args()
     threads = args.threads or sorted({1, os.cpu_count() or 1})
-    rows = run(args.size, args.repeat, threads)
-    print_table(rows, args.size)
+    default = cpu_kernel.isa()
+    isas = args.isa or [default]
+    cpu = cpu_name()
+    print(f"CPU: {cpu}; compile_rng CPU kernel: {default} (this CPU runs {', '.join(cpu_kernel.supported_isas())}); "
+          f"measuring {', '.join(isas)}")
+    rows = [row for isa in isas for row in run(args.size, args.repeat, threads, isa)]
+    print_table(rows, args.size, cpu)
     with open(args.json, "w") as f:
-        json.dump({"size": args.size, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"size": args.size, "torch": torch.__version__, "cpu": cpu, "rows": rows}, f, indent=1)
     print(f"\nwrote {args.json}")
 
 

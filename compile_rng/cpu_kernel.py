@@ -1,9 +1,12 @@
 """Builds and calls the eager CPU Philox kernel (``csrc/philox.c``).
 
 The kernel is plain C (no torch headers), so it compiles in well under a second with
-the C compiler Inductor already needs. The shared object is cached under
-``$COMPILE_RNG_CACHE`` (default ``~/.cache/compile_rng``) by a hash of the source and
-flags; concurrent ranks race safely because each writes a private file and renames it.
+the C compiler Inductor already needs. The same source is built once per instruction
+set (:data:`ISA_FLAGS`); :func:`isa` says which build runs, chosen from what the CPU
+reports or forced with ``COMPILE_RNG_CPU_ISA``. Every build gives the same bits
+(canonical stream v1). Shared objects are cached under ``$COMPILE_RNG_CACHE`` (default
+``~/.cache/compile_rng``) by a hash of the source, compiler and flags; concurrent ranks
+race safely because each writes a private file and renames it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -19,19 +23,82 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "philox.c"
-# -march=native: the fast paths vectorize Philox across blocks. No float contraction,
-# so the float transforms round exactly like torch's and Inductor's separate mul/add.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+#: The kernel source every build compiles.
+SOURCE = Path(__file__).with_name("csrc") / "philox.c"
+_MACHINE = platform.machine().lower()
+_X86 = _MACHINE in ("x86_64", "amd64")
+#: Flags of every build. No float contraction, so the float transforms round exactly
+#: like torch's and Inductor's separate mul/add, whatever the instruction set.
+#: -fno-trapping-math changes no value (the kernel never reads floating-point exception
+#: flags); it lets the vectorizer turn conditional float operations into selects where
+#: the instruction set has no masked operations (AVX2, SSE2, NEON: without it dropout and
+#: normal stayed scalar, 3-5x slower).
+COMMON_FLAGS = [
+    "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread", "-std=gnu11",
+]
+#: Compiler flags of each build. Explicit feature flags, not -march=native: a build is
+#: then the same on every machine that can run it, and one machine can build and test
+#: every level it supports.
+ISA_FLAGS = {
+    "avx512": ["-march=x86-64", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx2": ["-march=x86-64", "-mavx2"],
+    "neon": ["-march=armv8-a"],
+    # x86-64's own baseline (SSE2), whatever the compiler's default; elsewhere plain C
+    "baseline": ["-march=x86-64"] if _X86 else [],
+}
+ISA_ENV = "COMPILE_RNG_CPU_ISA"
+# /proc/cpuinfo flags each x86 build needs.
+_X86_REQUIRES = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2"}}
 
 
-def _cpu_fingerprint() -> bytes:
-    # -march=native code must not be reused on a machine with other instruction sets.
+@functools.cache
+def _cpu_flags() -> set[str]:
+    """The x86 feature flags the OS reports (lower case), empty if it cannot say."""
     try:
-        flags = [line for line in open("/proc/cpuinfo") if line.startswith("flags")]
-        return (flags[0] if flags else "").encode()
+        with open("/proc/cpuinfo") as f:  # Linux
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return b""
+        pass
+    try:  # macOS
+        out = subprocess.run(
+            ["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"], capture_output=True, text=True
+        ).stdout
+        return set(out.lower().split())
+    except OSError:
+        return set()
+
+
+def supported_isas() -> list[str]:
+    """The builds this CPU can run, fastest first (the first is the default)."""
+    if _MACHINE in ("aarch64", "arm64"):
+        return ["neon"]  # Advanced SIMD is part of every AArch64 CPU: NEON is its baseline
+    if _X86:
+        flags = _cpu_flags()
+        return [name for name, needs in _X86_REQUIRES.items() if needs <= flags] + ["baseline"]
+    return ["baseline"]
+
+
+@functools.cache
+def _chosen(forced: str | None) -> str:
+    supported = supported_isas()
+    if not forced:
+        return supported[0]
+    if forced not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISA_FLAGS)}")
+    if forced not in supported:
+        raise RuntimeError(
+            f"{ISA_ENV}={forced!r}, but this CPU ({platform.machine()}) only runs {', '.join(supported)}"
+        )
+    return forced
+
+
+def isa() -> str:
+    """The instruction-set build of the CPU kernel in use: ``avx512``, ``avx2``, ``neon``
+    or ``baseline``. The best one this CPU runs, unless ``COMPILE_RNG_CPU_ISA`` names
+    another (an error if the CPU cannot run it)."""
+    return _chosen(os.environ.get(ISA_ENV) or None)
 
 
 def _compiler() -> str:
@@ -44,25 +111,42 @@ def _compiler() -> str:
     )
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
+def _build(name: str) -> Path:
+    """The shared object of build ``name`` (compiled on first use, then cached)."""
+    source = SOURCE.read_bytes()
     cc = _compiler()
-    digest = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_fingerprint()).hexdigest()[:16]
+    flags = [*COMMON_FLAGS, *ISA_FLAGS[name]]
+    digest = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("COMPILE_RNG_CACHE", Path.home() / ".cache" / "compile_rng"))
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"philox-{digest}.so"
+    target = cache / f"philox-{name}-{digest}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
         os.close(fd)
-        result = subprocess.run(
-            [cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True
-        )
+        result = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError(f"compiling {_SOURCE} with {cc} failed:\n{result.stderr}")
+            others = [other for other in supported_isas() if other != name]
+            raise RuntimeError(
+                f"compiling {SOURCE} for {name} with {cc} failed"
+                + (f" (set {ISA_ENV} to {' or '.join(others)} to use another build)" if others else "")
+                + f":\n{result.stderr}"
+            )
         os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def _library() -> ctypes.CDLL:
+    return _load(isa())
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_build(name)))
+    lib.cr_isa.restype = ctypes.c_char_p
+    built = lib.cr_isa().decode()
+    if built != name:  # the flags did not select the intended code path
+        raise RuntimeError(f"compile_rng's CPU kernel built for {name} reports {built}")
     fn = lib.cr_philox_words
     fn.restype = ctypes.c_int
     fn.argtypes = [

@@ -10,13 +10,11 @@
  * - cr_normal_f32: float32 normals of any layout, final values.
  * - cr_normal_f32_at: float32 normals at explicit counters.
  *
- * Built at first use by compile_rng/cpu_kernel.py with -ffp-contract=off and without
- * -ffast-math, so float results do not depend on vectorization.
+ * Built at first use by compile_rng/cpu_kernel.py, once per instruction set, with
+ * -ffp-contract=off and without -ffast-math, so float results do not depend on
+ * vectorization or on the instruction set.
  */
 #include <pthread.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <stdint.h>
 #include <sys/mman.h>
 
@@ -144,74 +142,187 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
 /* ---- Fast paths: contiguous streams (counter = base + i), final float32 values ---------
  *
  * Each Philox block yields four words, used by four consecutive elements, and blocks are
- * generated VB at a time in structure-of-arrays form so the compiler vectorizes the
- * 32x32->64-bit multiplies across blocks. The float transforms are the canonical ones
- * (compile_rng/stream.py) with separate multiply and add (built with -ffp-contract=off),
- * so results are bitwise equal to the generic path and to the Inductor lowering.
+ * generated VB at a time in structure-of-arrays form, vectorized across blocks. The float
+ * transforms are the canonical ones (compile_rng/stream.py) with separate multiply and
+ * add (built with -ffp-contract=off), so results are bitwise equal to the generic path,
+ * to the Inductor lowering, and across the instruction-set builds below.
+ *
+ * One source, one build per instruction set (compile_rng/cpu_kernel.py picks the build
+ * at run time). Every path runs the same Philox rounds and differs only in how many
+ * blocks a vector holds (LANES), how many independent chains are interleaved per round
+ * (NV: one chain is latency-bound; more than the registers hold spills) and which
+ * instruction does the 32x32->64-bit multiply.
  */
-#define VB 32
-
-/* Eight blocks per vector, NV vectors per call: words held in 64-bit lanes (values
- * < 2**32), so the 32x32->64 multiply is one vector multiply and hi/lo are a shift and a
- * mask. The NV vectors are independent dependency chains interleaved in every round,
- * which is what keeps the multiplier busy (one chain is latency-bound). */
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-#define NV (VB / 8)
-
-static inline u64x8 mul32(u64x8 a, uint64_t m) {
-#ifdef __AVX512F__
-    return (u64x8)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64((long long)m));  /* vpmuludq */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CR_ISA "avx512"
+#define LANES 8
+#define NV 4  /* 16 state vectors + temporaries of the 32 zmm registers */
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define CR_ISA "avx2"
+#define LANES 4
+#define NV 3  /* 12 state vectors + 2 multipliers + temporaries of the 16 ymm registers */
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define CR_ISA "neon"
+#define CR_NEON 1
+#define LANES 4
+#define NV 4  /* 16 state vectors + temporaries of the 32 q registers */
 #else
-    return a * m;
+/* portable: SSE2's pmuludq on x86-64 (part of its baseline), plain C elsewhere */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#define CR_ISA "baseline"
+#define LANES 2
+#define NV 3  /* 12 state vectors of the 16 xmm registers */
+#endif
+
+/* blocks per batch: whole rounds of all chains, at least 32 blocks so the emit loops
+ * run long vectorized stretches */
+#define CHAIN_BLOCKS (LANES * NV)
+#define VB (CHAIN_BLOCKS * ((32 + CHAIN_BLOCKS - 1) / CHAIN_BLOCKS))
+
+/* The instruction set this build was compiled for (checked by cpu_kernel.py). */
+const char *cr_isa(void) { return CR_ISA; }
+
+static const uint64_t BLOCK_MASK = (1ULL << 62) - 1;  /* block indices of counters mod 2**64 */
+
+#ifdef CR_NEON
+/* NEON: one 32-bit lane per block. vmull_u32 / vmull_high_u32 give the 64-bit products
+ * of the low and high lane pairs; vuzp1/vuzp2 gather their low and high halves. vst4q
+ * stores the four word vectors interleaved, which is element order. */
+typedef uint32x4_t kv;
+
+static inline kv splat(uint32_t k) { return vdupq_n_u32(k); }
+
+static inline void mulhilo(uint32x4_t a, uint32_t m, uint32x4_t *hi, uint32x4_t *lo) {
+    uint32x4_t p_low = vreinterpretq_u32_u64(vmull_u32(vget_low_u32(a), vdup_n_u32(m)));
+    uint32x4_t p_high = vreinterpretq_u32_u64(vmull_high_u32(a, vdupq_n_u32(m)));
+    *lo = vuzp1q_u32(p_low, p_high);
+    *hi = vuzp2q_u32(p_low, p_high);
+}
+#else
+/* x86 and plain C: one 64-bit lane per block, the word in its low half. The multiply
+ * reads only the low halves (vpmuludq / pmuludq, or a mask in plain C), so the high
+ * halves may carry garbage and the rounds need no masking: the high product is a shift,
+ * the low product is the lane as is. */
+typedef uint64_t uv __attribute__((vector_size(8 * LANES)));
+typedef uv kv;
+#if LANES == 8
+#define INTERLEAVE_LO ((uv){0, 8, 1, 9, 2, 10, 3, 11})
+#define INTERLEAVE_HI ((uv){4, 12, 5, 13, 6, 14, 7, 15})
+#elif LANES == 4
+#define INTERLEAVE_LO ((uv){0, 4, 1, 5})
+#define INTERLEAVE_HI ((uv){2, 6, 3, 7})
+#else
+#define INTERLEAVE_LO ((uv){0, 2})
+#define INTERLEAVE_HI ((uv){1, 3})
+#endif
+
+static inline kv splat(uint32_t k) { return (uv){0} + k; }
+
+static inline uv mul32(uv a, uv m) {
+#if defined(__AVX512F__)
+    return (uv)_mm512_mul_epu32((__m512i)a, (__m512i)m);
+#elif defined(__AVX2__)
+    return (uv)_mm256_mul_epu32((__m256i)a, (__m256i)m);
+#elif defined(__SSE2__)
+    return (uv)_mm_mul_epu32((__m128i)a, (__m128i)m);
+#else
+    return (a & 0xFFFFFFFFu) * m;
 #endif
 }
 
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef uint64_t u64x4 __attribute__((vector_size(32)));
+/* Two words (low halves of lanes) -> one 64-bit lane holding both in memory order. */
+static inline uv pack_pair(uv first, uv second) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (first & 0xFFFFFFFFu) | (second << 32);
+#else
+    return (first << 32) | (second & 0xFFFFFFFFu);
+#endif
+}
+#endif
 
-/* Words of 8 blocks (one vector per word index) -> the 32 values in element order
- * (block-major, lane-minor), with two rounds of interleaving shuffles. */
-static inline void interleave(u64x8 w0, u64x8 w1, u64x8 w2, u64x8 w3, uint32_t *dst) {
-    u32x8 a = __builtin_convertvector(w0, u32x8), b = __builtin_convertvector(w1, u32x8);
-    u32x8 c = __builtin_convertvector(w2, u32x8), d = __builtin_convertvector(w3, u32x8);
-    const u32x8 lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
-    u64x4 ab0 = (u64x4)__builtin_shuffle(a, b, lo), ab1 = (u64x4)__builtin_shuffle(a, b, hi);
-    u64x4 cd0 = (u64x4)__builtin_shuffle(c, d, lo), cd1 = (u64x4)__builtin_shuffle(c, d, hi);
-    const u64x4 lo64 = {0, 4, 1, 5}, hi64 = {2, 6, 3, 7};
-    u64x4 out[4] = {
-        __builtin_shuffle(ab0, cd0, lo64), __builtin_shuffle(ab0, cd0, hi64),
-        __builtin_shuffle(ab1, cd1, lo64), __builtin_shuffle(ab1, cd1, hi64),
-    };
-    __builtin_memcpy(dst, out, sizeof(out));
+/* The round keys of a seed as vectors, made once per range rather than once per round
+ * of every batch (their broadcasts were a tenth of the AVX2 instructions). */
+typedef struct { kv k0[10], k1[10]; } keys_t;
+
+static void key_schedule(uint64_t seed, keys_t *ks) {
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++, k0 += 0x9E3779B9u, k1 += 0xBB67AE85u) {
+        ks->k0[r] = splat(k0);
+        ks->k1[r] = splat(k1);
+    }
 }
 
-static void philox_blocks(uint64_t first, uint32_t k0, uint32_t k1, uint32_t *lin) {
-    const uint64_t mask32 = 0xFFFFFFFFull;
-    const u64x8 iota = {0, 1, 2, 3, 4, 5, 6, 7};
-    u64x8 c0[NV], c1[NV], c2[NV], c3[NV];
+/* Blocks first .. first + CHAIN_BLOCKS - 1 (mod 2**62), NV interleaved chains, their
+ * words written to lin in element order (block-major, lane-minor). */
+static void philox_chains(uint64_t first, const keys_t *ks, uint32_t *lin) {
+#ifdef CR_NEON
+    uint32x4_t c0[NV], c1[NV], c2[NV], c3[NV];
     for (int v = 0; v < NV; v++) {
-        u64x8 b = (first + (uint64_t)(8 * v) + iota) & ((1ULL << 62) - 1);  /* counters wrap mod 2**64 */
-        c0[v] = b & mask32;
-        c1[v] = b >> 32;
-        c2[v] = (u64x8){0};
-        c3[v] = (u64x8){0};
+        uint32_t lo[LANES], hi[LANES];
+        for (int l = 0; l < LANES; l++) {
+            uint64_t b = (first + (uint64_t)(LANES * v + l)) & BLOCK_MASK;
+            lo[l] = (uint32_t)b;
+            hi[l] = (uint32_t)(b >> 32);
+        }
+        c0[v] = vld1q_u32(lo);
+        c1[v] = vld1q_u32(hi);
+        c2[v] = vdupq_n_u32(0);
+        c3[v] = vdupq_n_u32(0);
     }
-    uint64_t kk0 = k0, kk1 = k1;
     for (int r = 0; r < 10; r++) {
         for (int v = 0; v < NV; v++) {
-            u64x8 p0 = mul32(c0[v], 0xD2511F53ull);
-            u64x8 p1 = mul32(c2[v], 0xCD9E8D57ull);
-            u64x8 n0 = (p1 >> 32) ^ c1[v] ^ kk0;
-            u64x8 n2 = (p0 >> 32) ^ c3[v] ^ kk1;
-            c0[v] = n0;
-            c1[v] = p1 & mask32;
-            c2[v] = n2;
-            c3[v] = p0 & mask32;
+            uint32x4_t hi0, lo0, hi1, lo1;
+            mulhilo(c0[v], 0xD2511F53u, &hi0, &lo0);
+            mulhilo(c2[v], 0xCD9E8D57u, &hi1, &lo1);
+            c0[v] = veorq_u32(veorq_u32(hi1, c1[v]), ks->k0[r]);
+            c1[v] = lo1;
+            c2[v] = veorq_u32(veorq_u32(hi0, c3[v]), ks->k1[r]);
+            c3[v] = lo0;
         }
-        kk0 = (kk0 + 0x9E3779B9u) & mask32;
-        kk1 = (kk1 + 0xBB67AE85u) & mask32;
     }
-    for (int v = 0; v < NV; v++) interleave(c0[v], c1[v], c2[v], c3[v], lin + 32 * v);
+    for (int v = 0; v < NV; v++) vst4q_u32(lin + 4 * LANES * v, (uint32x4x4_t){{c0[v], c1[v], c2[v], c3[v]}});
+#else
+    const uv m0 = splat(0xD2511F53u), m1 = splat(0xCD9E8D57u);
+    uv iota;
+    for (int l = 0; l < LANES; l++) iota[l] = (uint64_t)l;
+    uv c0[NV], c1[NV], c2[NV], c3[NV];
+    for (int v = 0; v < NV; v++) {
+        uv b = (first + (uint64_t)(LANES * v) + iota) & BLOCK_MASK;
+        c0[v] = b;  /* high half ignored by the multiply */
+        c1[v] = b >> 32;
+        c2[v] = (uv){0};
+        c3[v] = (uv){0};
+    }
+    for (int r = 0; r < 10; r++) {
+        for (int v = 0; v < NV; v++) {
+            uv p0 = mul32(c0[v], m0);
+            uv p1 = mul32(c2[v], m1);
+            uv n0 = (p1 >> 32) ^ c1[v] ^ ks->k0[r];
+            uv n2 = (p0 >> 32) ^ c3[v] ^ ks->k1[r];
+            c0[v] = n0;
+            c1[v] = p1;
+            c2[v] = n2;
+            c3[v] = p0;
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        /* lane l of w01 is (block l: word 0, word 1), of w23 (word 2, word 3): element
+         * order is w01[0], w23[0], w01[1], w23[1], ... */
+        uv w01 = pack_pair(c0[v], c1[v]), w23 = pack_pair(c2[v], c3[v]);
+        uv out[2] = {__builtin_shuffle(w01, w23, INTERLEAVE_LO), __builtin_shuffle(w01, w23, INTERLEAVE_HI)};
+        __builtin_memcpy(lin + 4 * LANES * v, out, sizeof(out));
+    }
+#endif
+}
+
+/* The words of blocks first .. first + VB - 1 (mod 2**62) in element order: 4 * VB values. */
+static void philox_blocks(uint64_t first, const keys_t *ks, uint32_t *lin) {
+    for (int g = 0; g < VB; g += CHAIN_BLOCKS) philox_chains(first + (uint64_t)g, ks, lin + 4 * g);
 }
 
 enum { OP_UNIFORM = 0, OP_BERNOULLI = 1, OP_DROPOUT = 2 };
@@ -239,7 +350,7 @@ static inline void emit(const fjob_t *j, float *restrict out, uint8_t *restrict 
                         int64_t i, uint32_t w) {
     switch (j->op) {
     case OP_UNIFORM: {
-        float u = (float)(w >> 8) * 0x1p-24f;
+        float u = (float)(int32_t)(w >> 8) * 0x1p-24f;  /* < 2**24: signed converts in every ISA */
         float v = u * j->range;
         v = v + j->low;
         out[i] = (v >= j->high_f) ? j->low : v;  /* high_f == high exactly (caller checks) */
@@ -261,6 +372,8 @@ static inline void emit(const fjob_t *j, float *restrict out, uint8_t *restrict 
 static inline __attribute__((always_inline)) void fast_range_op(const fjob_t *j, int64_t i, int64_t end,
                                                                  const int op) {
     uint32_t k0 = (uint32_t)j->seed, k1 = (uint32_t)(j->seed >> 32);
+    keys_t ks;
+    key_schedule(j->seed, &ks);
     uint32_t lin[4 * VB];
     fjob_t job = *j;
     job.op = op;
@@ -273,7 +386,7 @@ static inline __attribute__((always_inline)) void fast_range_op(const fjob_t *j,
         uint64_t block = n >> 2;
         unsigned lane = (unsigned)(n & 3);
         if (lane == 0 && end - i >= 4 * VB) {
-            philox_blocks(block, k0, k1, lin);
+            philox_blocks(block, &ks, lin);
             for (int k = 0; k < 4 * VB; k++) emit(&job, out, mask, x, i + k, lin[k]);
             i += 4 * VB;
             continue;
@@ -361,18 +474,35 @@ static inline void cr_sincosf(float a, float *c_out, float *s_out) {
     float z = r * r;
     float s = r + r * z * ((-1.9515295891E-4f * z + 8.3321608736E-3f) * z - 1.6666654611E-1f);
     float c = 1.0f - 0.5f * z + z * z * ((2.443315711809948E-5f * z - 1.388731625493765E-3f) * z + 4.166664568298827E-2f);
-    int k = q & 3;
-    float sin_v = k == 0 ? s : k == 1 ? c : k == 2 ? -s : -c;
-    float cos_v = k == 0 ? c : k == 1 ? -s : k == 2 ? -c : s;
-    *c_out = cos_v;
-    *s_out = sin_v;
+    /* quadrant q: sin = (s, c, -s, -c)[q & 3], cos = (c, -s, -c, s)[q & 3]; the signs as
+     * bit flips, since a sign flip is what negation is (and cheaper than a select) */
+    int odd = q & 1;
+    uint32_t sin_sign = ((uint32_t)q & 2u) << 30, cos_sign = ((uint32_t)(q + 1) & 2u) << 30;
+    float sin_v = odd ? c : s, cos_v = odd ? s : c;
+    uint32_t sin_bits, cos_bits;
+    __builtin_memcpy(&sin_bits, &sin_v, 4);
+    __builtin_memcpy(&cos_bits, &cos_v, 4);
+    sin_bits ^= sin_sign;
+    cos_bits ^= cos_sign;
+    __builtin_memcpy(s_out, &sin_bits, 4);
+    __builtin_memcpy(c_out, &cos_bits, 4);
+}
+
+/* float(w + offset) for a word w and offset 0 or 1, rounded once: both 16-bit halves
+ * (and the offset) convert exactly and the one addition rounds. Only signed 32-bit
+ * integers convert to float in every vector instruction set (AVX2 has no unsigned or
+ * 64-bit conversion), hence the halves. */
+static inline float word_to_float(uint32_t w, float offset) {
+    float high = (float)(int32_t)(w >> 16) * 65536.0f;
+    float low = (float)(int32_t)(w & 0xFFFFu) + offset;
+    return high + low;
 }
 
 /* Box-Muller of one word pair: radius and (cos, sin) of the angle. Element 2i of the
  * pair's lanes is radius * cos, element 2i + 1 is radius * sin. */
 static inline void box_muller(uint32_t we, uint32_t wo, float *radius, float *c, float *s) {
-    float u1 = (float)((uint64_t)we + 1u) * 0x1p-32f;
-    float angle = ((float)wo * 0x1p-32f) * 6.2831854820251465f;
+    float u1 = word_to_float(we, 1.0f) * 0x1p-32f;
+    float angle = (word_to_float(wo, 0.0f) * 0x1p-32f) * 6.2831854820251465f;
     *radius = __builtin_sqrtf(cr_logf(u1) * -2.0f);
     cr_sincosf(angle, c, s);
 }
@@ -398,12 +528,14 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
     uint64_t cached = ~(uint64_t)0;
     uint32_t w[4];
     uint32_t we[NB], wo[NB], lin[NB];
+    keys_t ks;
+    key_schedule(j->seed, &ks);
     int odd[NB];
     for (int64_t i0 = begin; i0 < end; i0 += NB) {
         int cnt = (int)(end - i0 < NB ? end - i0 : NB);
         if (contiguous && cnt == NB && (walk.n & 3) == 0) {
             /* whole pairs in order: one Box-Muller per pair gives both of its elements */
-            philox_blocks(walk.n >> 2, (uint32_t)j->seed, (uint32_t)(j->seed >> 32), lin);
+            philox_blocks(walk.n >> 2, &ks, lin);
             float *o = j->out + i0;
             for (int p = 0; p < NB / 2; p++) {
                 float radius, c, s;
