@@ -93,6 +93,21 @@ def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
     return _out_device(_normalize(func, args, kwargs))
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A local shard whose counters are affine only piecewise along ``dim`` (an uneven
+    ``_StridedShard``, :mod:`compile_rng.spmd`): ``pieces`` are ``(start, length,
+    offset, strides)``, in order, tiling ``dim``; element ``idx`` of the local slice
+    ``[start, start + length)`` of ``dim`` has counter ``offset + sum(idx * strides)``."""
+
+    dim: int
+    pieces: tuple
+
+    def shifted(self, delta: int) -> "Pieces":
+        """The same pieces ``delta`` counters further on."""
+        return Pieces(self.dim, tuple((s, n, offset + delta, strides) for s, n, offset, strides in self.pieces))
+
+
 class _TensorCall(RandomCall):
     """A random op call on local tensors, replaced at dispatch time."""
 
@@ -163,7 +178,8 @@ def recorded_counters() -> Iterator[list[Counters]]:
 class RandomOpMode(TorchDispatchMode):
     """Replaces random ops with the functional ops at the counters ``counters`` assigns.
 
-    ``counters(op, local_shape, device) -> (key, offset, strides)``. With ``plain_only`` the
+    ``counters(op, local_shape, device) -> (key, offset, strides)``, or ``(key, Pieces,
+    None)`` for a shard whose counters are affine only piecewise. With ``plain_only`` the
     mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
     region then applies the sharded layout.
     """
@@ -193,21 +209,67 @@ class RandomOpMode(TorchDispatchMode):
             return func(*args, **kwargs)
         size, dtype = _out_shape_dtype(func, kw)
         key, offset, strides = self.counters(func, size, device)
+        if isinstance(offset, Pieces):
+            return _draw_pieces(func, kw, key, offset, size, dtype)
         log = _counter_log.get()
         if log is not None:
             log.append(Counters(key, offset, tuple(strides), tuple(size)))
-        inplace = func is not functional
-        # Writing straight into the target needs real values (not while a graph is traced).
-        direct = inplace and get_proxy_mode() is None and detect_fake_mode() is None
-        call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
-        result = RULES[functional](call)
-        if inplace:
-            target = kw["input"]
-            result = result[0] if isinstance(result, tuple) else result
-            if result is not target:
-                target.copy_(result)
-            return target
-        return result
+        return _draw(func, kw, key, offset, strides, size, dtype)
+
+
+def _draw(func: OpOverload, kw: dict, key, offset, strides, size: list, dtype: torch.dtype):
+    """``func`` (normalized arguments ``kw``) by its rule at one affine counter window;
+    an in-place op's values land in its ``kw["input"]``, which is returned."""
+    functional = INPLACE.get(func, func)
+    inplace = func is not functional
+    # Writing straight into the target needs real values (not while a graph is traced).
+    direct = inplace and get_proxy_mode() is None and detect_fake_mode() is None
+    call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
+    result = RULES[functional](call)
+    if inplace:
+        target = kw["input"]
+        result = result[0] if isinstance(result, tuple) else result
+        if result is not target:
+            target.copy_(result)
+        return target
+    return result
+
+
+def _draw_pieces(func: OpOverload, kw: dict, key, pieces: Pieces, size: list, dtype: torch.dtype):
+    """``func`` drawn piece by piece on the ``narrow``s of its output (and of the tensor
+    arguments that span it) along ``pieces.dim``: functional results are concatenated,
+    an in-place op writes each piece into its narrow of the target."""
+    if _counter_log.get() is not None:
+        # trunc_normal_ redraws rejected elements at one affine window's counters.
+        raise NotImplementedError(
+            f"compile_rng: {func} on a shard whose counters are affine only piecewise (an uneven "
+            "_StridedShard) inside recorded_counters (trunc_normal_'s redraws); use a shape the "
+            "mesh divides evenly or tracker mode for this tensor"
+        )
+    dim = pieces.dim
+    parts = []
+    for start, length, offset, strides in pieces.pieces:
+        piece_kw = {name: _narrow_operand(v, len(size), dim, size[dim], start, length) for name, v in kw.items()}
+        piece_size = list(size)
+        piece_size[dim] = length
+        parts.append(_draw(func, piece_kw, key, offset, strides, piece_size, dtype))
+    if func is not INPLACE.get(func, func):
+        return kw["input"]
+    if isinstance(parts[0], tuple):  # native_dropout: (output, mask)
+        return tuple(torch.cat(column, dim) for column in zip(*parts))
+    return torch.cat(parts, dim)
+
+
+def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, length: int):
+    """``value``'s part for the output slice ``[start, start + length)`` of ``dim``: a
+    tensor that spans the output's ``dim`` (aligned from the right, as broadcasting)
+    is narrowed; a broadcast one and non-tensors are shared by every piece."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    own = dim - (out_ndim - value.dim())
+    if own < 0 or value.shape[own] != full:
+        return value
+    return value.narrow(own, start, length)
 
 
 def _plain_counters(func, size, device):

@@ -10,7 +10,9 @@ contiguous run starting at ``ceil4(shard_linear_idx * numel(first_shard))``.
 ``mode="invariant"``: every element's counter is its row-major index in the *global*
 tensor, so the assembled tensor is the same for every mesh, placement and world size
 (a plain tensor is the world-size-1 case). The local shard is then an affine window of
-the global index space: ``offset + sum(idx[d] * strides[d])``.
+the global index space: ``offset + sum(idx[d] * strides[d])`` - or, for an uneven
+``_StridedShard`` (FSDP2 x TP on a dim the mesh does not divide), a concatenation along
+one dim of such windows (:class:`~compile_rng.dispatch_modes.Pieces`).
 
 The formulas use only ``+ * //`` (and the placement's own first-shard size), so one
 definition evaluates on ints (eager), on SymInts (tracing: coordinates are runtime
@@ -27,6 +29,7 @@ import sympy
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+from .dispatch_modes import Pieces
 from .stream import ceil4, contiguous_strides
 from .torch_internals import StridedShard, split_factor
 
@@ -96,30 +99,56 @@ class Sharding:
             stride = stride * count
         return linear
 
-    def layout(self, mode: str, coords: Sequence[Any], local_shape: Sequence[Any]) -> tuple[Any, list]:
-        """``(offset, strides)`` of the local shard's counters within the op's range."""
+    def unsupported(self, why: str) -> NotImplementedError:
+        """The error for an invariant layout these placements leave undefined here."""
+        return NotImplementedError(
+            f"compile_rng mode='invariant': placements {self.placements} on global shape "
+            f"{self.global_shape} leave {why}; use tracker mode for this tensor or a shape "
+            "that the mesh divides evenly"
+        )
+
+    def layout(self, mode: str, coords: Sequence[Any], local_shape: Sequence[Any]) -> tuple[Any, list] | Pieces:
+        """``(offset, strides)`` of the local shard's counters within the op's range
+        (:class:`Pieces` where the invariant layout is affine only piecewise)."""
         if mode == "tracker":
             return self.tracker_start(coords), contiguous_strides(local_shape)
         return self.invariant_window(coords)
 
-    def invariant_window(self, coords: Sequence[Any]) -> tuple[Any, list]:
-        """The local shard's global row-major indices as ``(offset, strides)``.
+    def invariant_window(self, coords: Sequence[Any]) -> tuple[Any, list] | Pieces:
+        """The local shard's global row-major indices as ``(offset, strides)``, or as
+        :class:`Pieces` along the one tensor dim whose local indices are not one run.
 
         Applies the placements left to right like DTensor does: each tensor dim keeps
         its local indices as an affine view ``off + sum(m_t * s_t)`` over factors
         ``(n_t, s_t)``; ``Shard`` takes a ``torch.chunk`` piece of it, ``_StridedShard``
         splits it into ``split_factor`` pieces and takes this rank's chunk of each.
+        Splits that leave no such view (uneven ``_StridedShard`` pieces) continue on the
+        dim's list of runs (:class:`_Runs`).
         """
-        views = [_DimView(0, [(size, 1)]) for size in self.global_shape]
+        views: list[_DimView | _Runs] = [_DimView(0, [(size, 1)]) for size in self.global_shape]
         for mesh_dim, p in enumerate(self.placements):
             if isinstance(p, SHARDS):
                 views[p.dim] = views[p.dim].split(p, self.mesh_shape[mesh_dim], coords[mesh_dim], self)
         global_strides = contiguous_strides(self.global_shape)
-        offset, strides = 0, []
-        for view, gs in zip(views, global_strides):
-            offset = offset + view.off * gs
-            strides.append(view.stride(self) * gs)
-        return offset, strides
+        offset, strides, runs_dim = 0, [], None
+        for dim, (view, gs) in enumerate(zip(views, global_strides)):
+            window = view.window()
+            if window is None:
+                if runs_dim is not None:
+                    raise self.unsupported("local indices that are not one run in two tensor dims")
+                runs_dim, window = dim, (0, 1)  # the runs carry this dim's offsets and strides
+            offset = offset + window[0] * gs
+            strides.append(window[1] * gs)
+        if runs_dim is None:
+            return offset, strides
+        gs = global_strides[runs_dim]
+        pieces, start = [], 0
+        for off, length, stride in views[runs_dim].to_runs(self).runs:
+            piece_strides = list(strides)
+            piece_strides[runs_dim] = stride * gs
+            pieces.append((start, length, offset + off * gs, piece_strides))
+            start = start + length
+        return Pieces(runs_dim, tuple(pieces))
 
     def tracker_start(self, coords: Sequence[Any]) -> Any:
         """Offset of this rank's first element in tracker mode."""
@@ -137,46 +166,97 @@ class _DimView:
     off: Any
     factors: list
 
-    def _unsupported(self, sharding: "Sharding", why: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"compile_rng mode='invariant': placements {sharding.placements} on global shape "
-            f"{sharding.global_shape} leave {why}; use tracker mode for this tensor or a shape "
-            "that the mesh divides evenly"
-        )
-
-    def split(self, p: Any, n: int, r: Any, sharding: "Sharding") -> "_DimView":
+    def split(self, p: Any, n: int, r: Any, sharding: "Sharding") -> "_DimView | _Runs":
+        """This rank's part under placement ``p`` over ``n`` ranks (coordinate ``r``)."""
         if isinstance(p, StridedShard):
-            if len(self.factors) != 1:
-                raise self._unsupported(sharding, "a _StridedShard of an already strided dim")
-            (size, stride), sf = self.factors[0], split_factor(p)
-            if not (_static(size) and size % sf == 0 and (size // sf) % n == 0):
-                raise self._unsupported(sharding, "uneven _StridedShard pieces")
-            piece, chunk = size // sf, size // sf // n
-            return _DimView(self.off + r * chunk * stride, [(sf, piece * stride), (chunk, stride)])
+            if len(self.factors) == 1:
+                (size, stride), sf = self.factors[0], split_factor(p)
+                if _static(size) and size % sf == 0 and (size // sf) % n == 0:
+                    piece, chunk = size // sf, size // sf // n
+                    return _DimView(self.off + r * chunk * stride, [(sf, piece * stride), (chunk, stride)])
+            return self.to_runs(sharding).split(p, n, r, sharding)
         if len(self.factors) == 1:  # torch.chunk of a contiguous run: still contiguous
             (size, stride), = self.factors
-            chunk = (size + n - 1) // n
-            start = _min(r * chunk, size)
-            length = _max(_min(chunk, size - start), 0)
+            start, length = _chunk(size, n, r)
             return _DimView(self.off + start * stride, [(length, stride)])
         (outer, s_outer), (inner, s_inner) = self.factors
         total = outer * inner
         if not (_static(total) and total % n == 0):
-            raise self._unsupported(sharding, "an uneven split of a strided dim")
+            return self.to_runs(sharding).split(p, n, r, sharding)
         length = total // n
         start = r * length
         if length % inner == 0:  # whole inner runs
             return _DimView(self.off + start // inner * s_outer, [(length // inner, s_outer), (inner, s_inner)])
         if inner % length == 0:  # a piece of one inner run
             return _DimView(self.off + start // inner * s_outer + start % inner * s_inner, [(length, s_inner)])
-        raise self._unsupported(sharding, "a split across strided pieces")
+        return self.to_runs(sharding).split(p, n, r, sharding)
 
-    def stride(self, sharding: "Sharding") -> Any:
-        """The counter stride of a local index step (the view must be one run)."""
+    def window(self) -> tuple[Any, Any] | None:
+        """``(off, stride)`` of a local index step if the view is one run, else None."""
         runs = [(n, s) for n, s in self.factors if not (_static(n) and n == 1)]
         if len(runs) > 1:
-            raise self._unsupported(sharding, "a strided (non-affine) local shard")
-        return runs[0][1] if runs else 1
+            return None
+        return self.off, runs[0][1] if runs else 1
+
+    def to_runs(self, sharding: "Sharding") -> "_Runs":
+        """The same indices as runs: one per index of the outer factor."""
+        if len(self.factors) == 1:
+            (size, stride), = self.factors
+            return _Runs([(self.off, size, stride)])
+        (outer, s_outer), (inner, s_inner) = self.factors
+        if not _static(outer):
+            raise sharding.unsupported("a strided dim with a symbolic number of runs")
+        return _Runs([(self.off + m * s_outer, inner, s_inner) for m in range(outer)])
+
+
+@dataclass
+class _Runs:
+    """Global indices of one tensor dim's local elements as consecutive runs
+    ``(off, length, stride)`` (elements ``off + j * stride``, ``j < length``); the local
+    order is the runs' concatenation. Runs of static length 0 are dropped, so eager
+    (int) coordinates keep only the runs a rank holds."""
+
+    runs: list
+
+    def split(self, p: Any, n: int, r: Any, sharding: "Sharding") -> "_Runs":
+        """This rank's part under placement ``p`` over ``n`` ranks (coordinate ``r``):
+        DTensor's ``torch.chunk`` of the local positions; ``_StridedShard`` first chunks
+        them into ``split_factor`` pieces and takes this rank's chunk of each."""
+        total = 0
+        for _, length, _ in self.runs:
+            total = total + length
+        if not isinstance(p, StridedShard):
+            return _Runs(self._select(*_chunk(total, n, r)))
+        runs = []
+        for k in range(split_factor(p)):
+            start, length = _chunk(total, split_factor(p), k)
+            sub_start, sub_length = _chunk(length, n, r)
+            runs.extend(self._select(start + sub_start, sub_length))
+        return _Runs(runs)
+
+    def _select(self, lo: Any, length: Any) -> list:
+        """The runs' parts at local positions ``[lo, lo + length)``."""
+        parts, pos = [], 0
+        for off, size, stride in self.runs:
+            a = _min(_max(lo - pos, 0), size)
+            b = _min(_max(lo + length - pos, 0), size)
+            part = _max(b - a, 0)
+            if not (_static(part) and part == 0):
+                parts.append((off + a * stride, part, stride))
+            pos = pos + size
+        return parts
+
+    def window(self) -> tuple[Any, Any] | None:
+        """``(off, stride)`` if at most one run is left (an empty dim's is arbitrary)."""
+        if not self.runs:
+            return 0, 1
+        if len(self.runs) == 1:
+            off, _, stride = self.runs[0]
+            return off, stride
+        return None
+
+    def to_runs(self, sharding: "Sharding") -> "_Runs":
+        return self
 
 
 def _static(v: Any) -> bool:
@@ -198,6 +278,14 @@ def _min(a: Any, b: Any) -> Any:
 
 def _max(a: Any, b: Any) -> Any:
     return _extremum(a, b, torch.sym_max, sympy.Max, max)
+
+
+def _chunk(size: Any, n: int, k: Any) -> tuple[Any, Any]:
+    """``(start, length)`` of piece ``k`` of ``torch.chunk`` of ``size`` elements into
+    ``n`` (pieces past the end are empty, as DTensor fills them)."""
+    chunk = (size + n - 1) // n
+    start = _min(k * chunk, size)
+    return start, _max(_min(chunk, size - start), 0)
 
 
 def _first_chunk(p: Any, size: Any, n: int) -> Any:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from . import ops as cr_ops
 from . import state, verify
-from .dispatch_modes import RandomOpMode, current_mode
+from .dispatch_modes import Pieces, RandomOpMode, current_mode
 from .rows import batch_window, current_rows
 from .spmd import Sharding
 from .torch_internals import (
@@ -196,8 +196,11 @@ class Tracker(OffsetBasedRNGTracker):
         device = state.device_of(spec.mesh.device_type)
 
         def counters(func, local_shape, _device):
-            offset, strides = sharding.layout(mode, coords, local_shape)
+            layout = sharding.layout(mode, coords, local_shape)
             if tracing:
+                if isinstance(layout, Pieces):
+                    raise _pieces_in_graph(func, sharding)
+                offset, strides = layout
                 site_id = next(_site_ids)  # distinct args: no pass may merge two sites
                 key = pending_key(site_id, device)
                 _traced_node(site_id).meta[SITE] = Site(
@@ -205,11 +208,15 @@ class Tracker(OffsetBasedRNGTracker):
                 )
                 return key, offset, strides
             advance = int(sharding.advance())
+            row_offset = 0
             if rows is not None:
                 row_offset, advance = batch_window(func, sharding.global_shape, rows)
-                offset = offset + row_offset
             seed, base = state.advance(advance, device)
-            return cr_ops.make_key(seed, base, device), offset, strides
+            key = cr_ops.make_key(seed, base, device)
+            if isinstance(layout, Pieces):
+                return key, layout.shifted(row_offset), None
+            offset, strides = layout
+            return key, offset + row_offset, strides
 
         with RandomOpMode(counters):
             yield
@@ -228,6 +235,17 @@ class Tracker(OffsetBasedRNGTracker):
 
     def _manual_seed(self, parallel_seed: int) -> None:
         state.manual_seed(parallel_seed)
+
+
+def _pieces_in_graph(func: Any, sharding: Sharding) -> NotImplementedError:
+    """The error for a traced op whose invariant counters are affine only piecewise."""
+    return NotImplementedError(
+        f"compile_rng: {func} in a compiled graph on a DTensor of global shape {sharding.global_shape} "
+        f"with placements {sharding.placements}: its invariant counters are affine only piecewise "
+        "(an uneven _StridedShard, FSDP2 x TP on a dim the mesh does not divide), which compiled graphs "
+        "do not draw yet; run it eagerly (@compile_rng.init, whose default compile=False does) or use "
+        "a shape the mesh divides evenly"
+    )
 
 
 def serves(mesh: Any) -> bool:
