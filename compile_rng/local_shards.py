@@ -130,6 +130,9 @@ class _Analysis:
         if _is_attention(node):
             return self._attention(node, output=True)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.values.get(n, _example(n)))
+        if node.target is torch.cat and args and isinstance(args[0], (list, tuple)):
+            # torch.cat skips 1-D empty operands (a KV cache's first step); DTensor's rule does not
+            args = ([t for t in args[0] if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (0,))], *args[1:])
         try:
             # fake operands run on their own mode (DTensor's rules bring their own)
             with _implicit_replication(), dtensor_operands_kept(_Moved):
@@ -159,6 +162,9 @@ class _Analysis:
         normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         kw = normalized.kwargs if normalized is not None else dict(node.kwargs)
         q, k = self.values.get(kw["query"]), self.values.get(kw["key"])
+        lost = [v for v in (q, k, self.values.get(kw["value"])) if isinstance(v, Lost)]
+        if lost:
+            return lost[0]
         if not isinstance(q, DTensor):
             return Lost(f"{_describe(node)}: the query is not a shard of a known layout")
         if any(getattr(p, "dim", None) in (q.ndim - 1, -1) for p in q.placements):

@@ -345,12 +345,16 @@ def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
     dispatcher = DTensor._op_dispatcher
     stock = dispatcher.redistribute_local_args
 
-    def placements(args: Any) -> list:
-        return [s.placements for s in pytree.tree_leaves(args) if isinstance(s, DTensorSpec)]
+    def specs(args: Any) -> list:
+        return [s for s in pytree.tree_leaves(args) if isinstance(s, DTensorSpec)]
+
+    def moves(before: Any, after: Any) -> bool:
+        # an empty operand (a KV cache's first torch.cat) has no data to move
+        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
 
     def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
         # the op's own schema is None after DTensor's C++ fast path; its flat args remain
-        if placements(op_info.flat_args_schema) != placements(suggested.args_schema):
+        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
             raise error(f"{op_info.schema} needs {suggested}")
         return stock(op_info, suggested, use_val)
 
