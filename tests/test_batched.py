@@ -114,10 +114,10 @@ def test_microbatches_draw_the_big_batch(compiled, single, split, checkpointing)
     assert compile_rng.get_state() == single[2]
 
 
-def test_sequence_parallel_dtensor_with_data_parallel_rows(single):
-    """A 2x2 mesh (dp, tp): rows over dp, the sequence dim ``Shard(1)`` over tp."""
-    torch._dynamo.reset()
-    fn = torch.compile(block, backend=compile_rng.backend(layout="invariant", batched=True))
+def sequence_parallel_rows(fn, expected_state) -> torch.Tensor:
+    """``fn`` on a 2x2 mesh (dp, tp): rows over dp, the sequence dim ``Shard(1)`` over tp, one
+    step per fake rank; returns the ranks' outputs assembled (each rank's state must be
+    ``expected_state``)."""
     x = _input()
     pieces = {}
     for rank in range(4):
@@ -129,10 +129,16 @@ def test_sequence_parallel_dtensor_with_data_parallel_rows(single):
             compile_rng.manual_seed(SEED)
             with compile_rng.step(rows.shape[0], data_parallel=mesh["dp"], global_batch=B):
                 out = fn(DTensor.from_local(local, mesh["tp"], [Shard(1)]))
-            assert compile_rng.get_state() == single[2], rank
+            assert compile_rng.get_state() == expected_state, rank
             pieces[dp, tp] = out.to_local()
-    full = torch.cat([torch.cat([pieces[dp, 0], pieces[dp, 1]], dim=1) for dp in range(2)])
-    assert torch.equal(full, single[0])
+    return torch.cat([torch.cat([pieces[dp, 0], pieces[dp, 1]], dim=1) for dp in range(2)])
+
+
+def test_sequence_parallel_dtensor_with_data_parallel_rows(single):
+    """A 2x2 mesh (dp, tp): rows over dp, the sequence dim ``Shard(1)`` over tp."""
+    torch._dynamo.reset()
+    fn = torch.compile(block, backend=compile_rng.backend(layout="invariant", batched=True))
+    assert torch.equal(sequence_parallel_rows(fn, single[2]), single[0])
 
 
 def test_outside_a_step_the_call_is_the_whole_batch(compiled, single):

@@ -16,7 +16,7 @@ import reference as ref
 import torch
 import torch.nn.functional as F
 from dtensor_reference import fake_rank
-from test_batched import B, D, P, S, SEED, _input, _run, block
+from test_batched import B, D, P, S, SEED, _input, _run, block, sequence_parallel_rows
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -115,20 +115,7 @@ def test_eager_microbatches_draw_the_big_batch(eager, split):
 
 def test_eager_sequence_parallel_dtensor_with_data_parallel_rows(eager):
     """A 2x2 mesh (dp, tp), eagerly: rows over dp, the sequence ``Shard(1)`` over tp."""
-    x = _input()
-    pieces = {}
-    for rank in range(4):
-        with fake_rank(rank, 4):
-            mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
-            dp, tp = divmod(rank, 2)
-            rows = x.chunk(2)[dp]
-            compile_rng.manual_seed(SEED)
-            with compile_rng.step(rows.shape[0], data_parallel=mesh["dp"], global_batch=B):
-                out = block(DTensor.from_local(rows.chunk(2, dim=1)[tp].clone(), mesh["tp"], [Shard(1)]))
-            assert compile_rng.get_state() == eager[2], rank
-            pieces[dp, tp] = out.to_local()
-    full = torch.cat([torch.cat([pieces[dp, 0], pieces[dp, 1]], dim=1) for dp in range(2)])
-    assert torch.equal(full, eager[0])
+    assert torch.equal(sequence_parallel_rows(block, eager[2]), eager[0])
 
 
 def attention(q):
