@@ -138,14 +138,20 @@ def test_every_build_gives_the_same_bits(monkeypatch, threads):
     # tail), and normals of a strided layout (the per-element path)
     n, base = (1 << 18) + 37, 2**64 - 4099
     x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    # dropped elements are x * 0 then scaled, as in the scalar path: -0 stays -0, inf and
+    # NaN become NaN (a masked-out zero would differ)
+    special = x.clone()
+    special[::5], special[1::5], special[2::5] = float("inf"), float("nan"), -0.0
     key = ops.make_key(SEED, base)
 
     def outputs() -> list[torch.Tensor]:
         drop, mask = ops.dropout(key, 3, x, [1], P_DROP)
+        drop_special, _ = ops.dropout(key, 3, special, [1], P_DROP)
         return [
             ops.uniform(key, 3, [n], [1], -2.0, 3.0, torch.float32),
+            ops.uniform(key, 3, [n], [1], 0.0, 1.0, torch.float32),
             ops.bernoulli(key, 3, [n], [1], P_BERN, torch.float32),
-            drop, mask,
+            drop, mask, drop_special.view(torch.int32),
             ops.normal(key, 3, [n], [1], 0.5, 2.0, torch.float32),
             normal_f32(SEED, base, [301, 257], [300, 1], 0.0, 1.0),
         ]
@@ -163,6 +169,10 @@ def test_every_build_gives_the_same_bits(monkeypatch, threads):
     for name in rest:
         for i, (a, b) in enumerate(zip(results[first], results[name])):
             assert torch.equal(a, b), (first, name, i)
+    drop_special = results[first][5].view(torch.float32)
+    keep = results[first][4]
+    assert drop_special[~keep & special.isinf()].isnan().all()
+    assert (drop_special[~keep & (special == 0)].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).all()
 
 
 # --- aarch64 NEON, cross-compiled and run under qemu-user -----------------------------
