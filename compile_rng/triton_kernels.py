@@ -24,11 +24,16 @@ the scalar reference. Import needs ``triton`` (``pip install compile_rng[gpu]``)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -158,12 +163,22 @@ def _values(
         tl.store(out_ptr + flat, v.to(tl.int64, bitcast=True), mask=valid)
 
 
-@triton.jit(do_not_specialize=["offset", "rows", "inner", "inner_stride", "s1", "s2", "t0", "t1", "t2",
-                               "col_programs", "a_bits", "b_bits", "i_a", "i_b"])
+# Every scalar is typed int64 by annotation and no pointer is specialized on its alignment,
+# so a launch's compiled variant depends only on its constexprs and tensor dtypes, never
+# on argument values: an offset crossing 2**31 mid-training does not compile a new kernel,
+# and :func:`specializations` can list every variant. Alignment buys nothing here: element
+# addresses start at a runtime lane offset, so every load and store is scalar (same SASS
+# with and without it, checked on sm_90).
+@triton.jit(
+    do_not_specialize=["offset", "rows", "inner", "inner_stride", "s1", "s2", "t0", "t1", "t2",
+                       "col_programs", "a_bits", "b_bits", "i_a", "i_b"],
+    do_not_specialize_on_alignment=["out_ptr", "mask_ptr", "in_ptr", "key_ptr"],
+)
 def _stream_kernel(
-    out_ptr, mask_ptr, in_ptr, key_ptr, offset,
-    rows, inner, inner_stride, s1, s2, t0, t1, t2, col_programs,
-    a_bits, b_bits, i_a, i_b,
+    out_ptr, mask_ptr, in_ptr, key_ptr, offset: tl.int64,
+    rows: tl.int64, inner: tl.int64, inner_stride: tl.int64, s1: tl.int64, s2: tl.int64,
+    t0: tl.int64, t1: tl.int64, t2: tl.int64, col_programs: tl.int64,
+    a_bits: tl.int64, b_bits: tl.int64, i_a: tl.int64, i_b: tl.int64,
     OP: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, BIG: tl.constexpr, MOD: tl.constexpr,
     HIGH: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -240,7 +255,21 @@ def collapse(size: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int
     return dims or [(1, 1)]
 
 
-def launch(
+@dataclass(frozen=True)
+class Launch:
+    """One launch of :func:`_stream_kernel`: what :func:`launch` passes it."""
+
+    grid: tuple[int]
+    args: tuple[Any, ...]
+    constexprs: tuple[tuple[str, Any], ...]
+
+
+#: Compile options of every launch. ``enable_fp_fusion=False``: a multiply-add contracted
+#: into an FMA would round differently from the CPU kernel.
+OPTIONS: dict[str, Any] = {"num_warps": 4, "enable_fp_fusion": False}
+
+
+def plan(
     op: int,
     out: torch.Tensor,
     key: torch.Tensor,
@@ -255,13 +284,13 @@ def launch(
     i_b: int = 0,
     big: bool = False,
     mod: bool = False,
-) -> None:
-    """Fill the contiguous ``out`` with op ``op``'s values at the layout ``(out.shape,
-    strides)``. ``source`` (dropout's input, bernoulli's probabilities) and ``mask``
-    (dropout's keep mask) are contiguous and shaped like ``out``."""
+) -> list[Launch]:
+    """The launches that fill the contiguous ``out`` with op ``op``'s values at the layout
+    ``(out.shape, strides)``. ``source`` (dropout's input, bernoulli's probabilities) and
+    ``mask`` (dropout's keep mask) are contiguous and shaped like ``out``."""
     numel = out.numel()
     if numel == 0:
-        return
+        return []
     dims = collapse(list(out.shape), list(strides))
     inner, inner_stride = dims[-1]
     outer, lead = dims[:-1][-_OUTER_DIMS:], dims[:-1][:-_OUTER_DIMS]
@@ -269,23 +298,117 @@ def launch(
     rows = math.prod(s for s, _ in outer)
     contig = inner_stride == 1
     block = _BLOCKS if contig else _ELEMS
+    if contig and op == RANDINT and big:
+        # Each element's 64-bit modulo is a ptxas subroutine call; at two blocks (eight
+        # calls) per thread ptxas spilled 4 bytes on sm_80 (kernels that call are held to
+        # 64 registers there). One block per thread: 42 registers, no spill (gpu_aot).
+        block = _BLOCKS // 2
     col_programs = triton.cdiv(triton.cdiv(inner + 3, 4) if contig else inner, block)
     dtype = out.dtype if out.dtype.is_floating_point else torch.float32
-    cdt = _TL_CDT[stream.compute_dtype(dtype)]
+    constexprs = (
+        ("OP", op), ("BITS", stream.UNIFORM_BITS.get(dtype, 24)), ("CDT", _TL_CDT[stream.compute_dtype(dtype)]),
+        ("BIG", big), ("MOD", mod), ("HIGH", op == RANDOM_BITS or big), ("CONTIG", contig), ("BLOCK", block),
+    )
     flat = [t.view(-1) if t is not None else None for t in (out, mask, source)]
     chunk = rows * inner
+    launches = []
     # Dims beyond the kernel's: one launch per leading index, each on a contiguous slice.
     for n, idx in enumerate(itertools.product(*(range(s) for s, _ in lead))):
         lead_rel = sum(i * st for i, (_, st) in zip(idx, lead))
         at = n * chunk
-        views = [t[at:at + chunk] if t is not None else None for t in flat]
-        out_v, mask_v, src_v = views
-        _stream_kernel[(rows * col_programs,)](
+        out_v, mask_v, src_v = [t[at:at + chunk] if t is not None else None for t in flat]
+        args = (
             out_v, mask_v if mask_v is not None else out_v, src_v if src_v is not None else out_v, key,
             _signed(offset + lead_rel), rows, inner, inner_stride,
             outer[1][0], outer[2][0], outer[0][1], outer[1][1], outer[2][1], col_programs,
             _bits(a), _bits(b), _signed(i_a), _signed(i_b),
-            OP=op, BITS=stream.UNIFORM_BITS.get(dtype, 24), CDT=cdt, BIG=big, MOD=mod,
-            HIGH=op == RANDOM_BITS or big, CONTIG=contig, BLOCK=block,
-            num_warps=4, enable_fp_fusion=False,
         )
+        launches.append(Launch((rows * col_programs,), args, constexprs))
+    return launches
+
+
+#: While :func:`recording` is active, :func:`launch` appends its launches here instead.
+_recorder: ContextVar[list[Launch] | None] = ContextVar("compile_rng_triton_recorder", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Within the block :func:`launch` records its launches (the list yielded) and runs
+    nothing: how :func:`specializations` sees what the ops launch without a device."""
+    seen: list[Launch] = []
+    token = _recorder.set(seen)
+    try:
+        yield seen
+    finally:
+        _recorder.reset(token)
+
+
+def launch(op: int, out: torch.Tensor, key: torch.Tensor, offset: int, strides: Sequence[int], **params: Any) -> None:
+    """Fill ``out`` as :func:`plan` says (same arguments)."""
+    steps = plan(op, out, key, offset, strides, **params)
+    seen = _recorder.get()
+    if seen is not None:
+        seen.extend(steps)
+        return
+    for step in steps:
+        _stream_kernel[step.grid](*step.args, **dict(step.constexprs), **OPTIONS)
+
+
+# --- the compiled variants ----------------------------------------------------------------
+
+OP_NAMES = ("uniform", "normal", "exponential", "bernoulli", "bernoulli_tensor", "dropout", "randint", "random_bits")
+
+#: The output dtypes an op can be asked for: continuous distributions take the float
+#: dtypes; bernoulli and integers any dtype compile_rng's ops accept (bool included).
+_ANY_DTYPE = (*stream.FLOAT_DTYPES, *stream.INT_DTYPES, torch.bool)
+#: ``randint`` spans that take each of its paths: modulo of one word; the ``c2 = 1`` high
+#: word; a span of exactly 2**63 (high word, no modulo).
+_RANDINT_SPANS = ((0, 10), (0, 2**40), (-(2**62), 2**62))
+#: A plain stream (the block path) and a strided window (the per-element path).
+_LAYOUTS = (([2, 8], [20, 1]), ([2, 8], [20, 2]))
+
+
+def variant_name(step: Launch) -> str:
+    """A readable name of the compiled variant a launch uses, e.g. ``dropout.float16.stream``
+    or ``bernoulli_tensor.bool.p_float64.strided``."""
+    c = dict(step.constexprs)
+    parts = [OP_NAMES[c["OP"]], _dtype_name(step.args[0].dtype)]
+    if c["OP"] == BERNOULLI_TENSOR:
+        parts.append("p_" + _dtype_name(step.args[2].dtype))
+    if c["OP"] == RANDINT:
+        parts.append(("hi" if c["BIG"] else "lo") + ("" if c["MOD"] else ".nomod"))
+    parts.append("stream" if c["CONTIG"] else "strided")
+    return ".".join(parts)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def specializations() -> dict[str, Launch]:
+    """One launch of every compiled variant of :func:`_stream_kernel` that compile_rng's
+    accelerator ops can launch, by :func:`variant_name`: every op at every dtype it takes,
+    both layouts and every path, recorded from the ops' own argument handling
+    (:mod:`compile_rng.accelerator_ops`) on small CPU tensors, nothing launched. A
+    variant's identity is its constexprs and tensor dtypes (see :func:`_stream_kernel`);
+    ``tests/test_triton_aot.py`` checks that real launches find theirs here."""
+    from . import accelerator_ops as ao
+
+    key = torch.zeros(2, dtype=torch.int64)
+    floats, everything = stream.FLOAT_DTYPES, _ANY_DTYPE
+    with recording() as seen:
+        for size, strides in _LAYOUTS:
+            for dtype in floats:
+                ao.uniform(key, 0, size, strides, -1.0, 1.0, dtype)
+                ao.normal(key, 0, size, strides, 0.0, 1.0, dtype)
+                ao.exponential(key, 0, size, strides, 1.0, dtype)
+                ao.dropout(key, 0, torch.zeros(size, dtype=dtype), strides, 0.25)
+            for dtype in everything:
+                ao.bernoulli(key, 0, size, strides, 0.5, dtype)
+                for p_dtype in floats:
+                    ao.bernoulli_tensor(key, 0, torch.zeros(size, dtype=p_dtype), strides, dtype)
+                for low, high in _RANDINT_SPANS:
+                    ao.randint(key, 0, size, strides, low, high, dtype)
+            ao.random_bits(key, 0, size, strides)
+    return {variant_name(step): step for step in seen}

@@ -1,0 +1,141 @@
+"""The Triton kernels compile for the GPUs users have, checked without a GPU.
+
+Triton compiles ahead of time for a named GPU with no GPU and no driver
+(:mod:`compile_rng.gpu_aot`): every variant compile_rng launches
+(:func:`compile_rng.triton_kernels.specializations`) must compile for sm_80 (A100),
+sm_90 (H100) and sm_100 (B200, where the installed triton has its ptxas) with no spill
+bytes; registers per thread are recorded (``benchmarks/aot_gpu.py`` prints them). The
+default suite compiles a representative subset (every op, both layouts, every
+dtype-specific path); the sweep of every variant is marked slow.
+
+Skipped only where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the AOT check compiles with triton (pip install 'compile_rng[gpu]')")
+
+from compile_rng import accelerator_ops as ao  # noqa: E402
+from compile_rng import gpu_aot, triton_internals  # noqa: E402
+from compile_rng import triton_kernels as tk  # noqa: E402
+
+ARCHS = gpu_aot.supported_archs()
+
+#: Every op on both layouts, the float64 compute path, bfloat16's rounding, bool stores,
+#: the randint high word with and without the modulo, bernoulli's tensor probabilities.
+REPRESENTATIVE = [
+    "uniform.bfloat16.stream", "uniform.float64.strided",
+    "normal.float32.stream", "normal.float64.strided",
+    "exponential.float16.strided",
+    "bernoulli.bool.stream",
+    "bernoulli_tensor.float32.p_float64.strided", "bernoulli_tensor.bfloat16.p_float16.stream",
+    "dropout.float32.stream", "dropout.bfloat16.strided",
+    "randint.int64.hi.stream", "randint.int64.hi.nomod.strided", "randint.int8.lo.stream",
+    "random_bits.int64.stream",
+]
+
+#: Registers per thread above this would cost occupancy worth a look (the largest
+#: variant, float64 normal with libdevice's sin/cos, uses 202-222; float32 ops <= 96).
+REGISTER_BUDGET = 232
+
+
+def _variant_key(step: tk.Launch) -> tuple:
+    return triton_internals.bind(tk._stream_kernel, 90, step.args, {**dict(step.constexprs), **tk.OPTIONS}).variant_key()
+
+
+def _check(results: list[gpu_aot.Compiled]) -> None:
+    for r in results:
+        assert r.resources.spills == 0, (r.name, r.arch, r.resources)
+        assert r.resources.registers == r.cubin_registers, (r.name, r.arch)  # our ptxas run = Triton's
+        assert r.resources.registers <= REGISTER_BUDGET, (r.name, r.arch, r.resources.registers)
+        assert r.sass_instructions > 0
+
+
+# --- the enumeration --------------------------------------------------------------------
+
+
+def test_names_and_variants_correspond_one_to_one():
+    specs = tk.specializations()
+    keys = {_variant_key(step) for step in specs.values()}
+    assert len(keys) == len(specs) == 194
+    assert set(REPRESENTATIVE) <= set(specs)
+
+
+def test_every_launch_uses_an_enumerated_variant():
+    """Launches as the ops make them, with values that would pick other variants if any
+    scalar were typed by its value or any pointer specialized on its alignment: offsets
+    and strides past 2**31, a seed word past 2**63, parameters whose bit patterns are 0,
+    more dims than a launch takes, sources that start mid-storage."""
+    known = {_variant_key(step): name for name, step in tk.specializations().items()}
+    key = ao.ops.make_key(2**63 + 5, 2**64 - 3)
+    odd = torch.zeros(37, dtype=torch.float16)[1:]  # 2-byte aligned
+    with tk.recording() as seen:
+        ao.uniform(key, 2**40, [3, 5], [2**33, 1], 0.0, 1.0, torch.float32)
+        ao.uniform(key, 0, [1], [1], -2.5, 3.0, torch.float64)
+        ao.normal(key, 7, [2, 3, 2, 2, 5], [300, 90, 40, 11, 2], 0.0, 1.0, torch.bfloat16)
+        ao.exponential(key, 2**62, [9], [3], 0.5, torch.float16)
+        ao.bernoulli(key, 1, [4, 4], [4, 1], 0.9, torch.int64)
+        ao.bernoulli_tensor(key, 0, odd.view(4, 9), [9, 1], torch.bool)
+        ao.dropout(key, 3, odd.view(6, 6), [12, 2], 0.0)
+        ao.dropout(key, 2**35, torch.ones(1000), [1], 0.5)
+        ao.randint(key, 5, [10], [1], 0, 2**63, torch.int64)
+        ao.randint(key, 5, [10], [7], -(2**40), 2**41, torch.float64)
+        ao.randint(key, 5, [3, 3], [3, 1], 1, 2, torch.uint8)
+        ao.random_bits(key, 2**63 - 1, [2, 2], [1, 2])
+    assert len(seen) > 12  # the five-dim layout loops on the host
+    for step in seen:
+        assert known.get(_variant_key(step)) == tk.variant_name(step)
+
+
+def test_the_gpus_checked():
+    assert {80, 90} <= set(ARCHS)  # every triton with the NVIDIA backend has these
+    assert set(ARCHS) <= set(gpu_aot.ARCHS)
+
+
+# --- ptxas's report ---------------------------------------------------------------------
+
+_LOG_SM90_NORMAL_F64 = """\
+ptxas info    : 284 bytes gmem
+ptxas info    : Compiling entry function '_stream_kernel' for 'sm_90a'
+ptxas info    : Function properties for _stream_kernel
+    48 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 202 registers, used 1 barriers, 48 bytes cumulative stack size
+ptxas info    : Compile time = 335.083 ms
+ptxas info    : Function properties for __internal_trig_reduction_slowpathd
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+_LOG_SM80_SPILL = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_stream_kernel' for 'sm_80'
+ptxas info    : Function properties for _stream_kernel
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 8 bytes cumulative stack size, 512 bytes cmem[0]
+"""
+
+
+def test_ptxas_logs_parse():
+    assert gpu_aot.parse_ptxas(_LOG_SM90_NORMAL_F64) == gpu_aot.Resources(202, 48, 0, 0)
+    spilled = gpu_aot.parse_ptxas(_LOG_SM80_SPILL)
+    assert spilled == gpu_aot.Resources(64, 8, 4, 4) and spilled.spills == 8
+    with pytest.raises(ValueError, match="no kernel"):
+        gpu_aot.parse_ptxas("ptxas info    : 0 bytes gmem\n")
+
+
+# --- compiles -----------------------------------------------------------------------------
+
+
+def test_representative_variants_compile_without_spills():
+    results = gpu_aot.compile_all(REPRESENTATIVE, ARCHS)
+    assert [(r.name, r.arch) for r in results] == [(n, a) for n in REPRESENTATIVE for a in ARCHS]
+    _check(results)
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_without_spills():
+    names = list(tk.specializations())
+    results = gpu_aot.compile_all(names, ARCHS)
+    assert len(results) == len(names) * len(ARCHS)
+    _check(results)
