@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from . import ops as cr_ops
-from . import state
+from . import local_values, state
 from .random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
 from .rows import batch_window, current_rows
 from .stream import ceil4, contiguous_strides
@@ -193,6 +193,11 @@ class RandomOpMode(TorchDispatchMode):
         functional = INPLACE.get(func, func)
         if self.plain_only and any(t is not torch.Tensor for t in types):
             return func(*args, **kwargs)
+        if self.plain_only and local_values.touches((args, kwargs)):
+            # a tensor-parallel rank's local piece of a DTensor (imports DTensor: it exists)
+            from . import eager_shards
+
+            return eager_shards.dispatch(func, args, kwargs)
         if functional not in RULES:
             if is_random(func):
                 kw = _normalize(func, args, kwargs)
@@ -292,7 +297,7 @@ def eager_stream() -> Iterator[None]:
     stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
     ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
     keep going through the tracker. Disables ``torch.compile`` inside the block."""
-    with RandomOpMode(_plain_counters, plain_only=True):
+    with RandomOpMode(_plain_counters, plain_only=True), local_values.recording():
         yield
 
 
@@ -315,7 +320,7 @@ def compiled_call() -> Iterator[None]:
     :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
     token = _IN_COMPILED_CALL.set(True)
     try:
-        with _SegmentMode(_plain_counters, plain_only=True):
+        with _SegmentMode(_plain_counters, plain_only=True), local_values.recording():
             yield
     finally:
         _IN_COMPILED_CALL.reset(token)

@@ -36,7 +36,7 @@ from torch import fx
 
 from compile_rng.passes.functionalize_rng import BATCH_SYMBOLS, ROWS_TOTAL, RngPlan, functionalize_rng
 
-from . import dispatch_modes, local_shards, plan_store, state, torch_internals, tracker, verify
+from . import dispatch_modes, local_shards, local_values, plan_store, state, torch_internals, tracker, verify
 from .dumps import dumping, write_plan
 from .ops import make_key
 from .random_ops import INPLACE, RULES, is_random
@@ -316,6 +316,42 @@ def _warn_if_split(gm: fx.GraphModule) -> None:
     )
 
 
+class _LocalPieces:
+    """A graph's traffic in tensor-parallel ranks' local pieces with eager code
+    (:mod:`compile_rng.local_values`): the pieces it returns are recorded for the eager
+    code after it; a recorded piece among the inputs its plain random ops are computed
+    from is refused (the graph would draw it as a replica: it was traced as a plain
+    input, so the layout is unknown in it)."""
+
+    def __init__(self, plan: RngPlan, inputs: int, outputs: list):
+        self.plan, self.outputs = plan, outputs if any(v is not None for v in outputs) else None
+        self.inputs = inputs
+
+    def check(self, args: Sequence[Any]) -> None:
+        draws = self.plan.draw_inputs
+        if not draws or not local_values.touches(args):
+            return
+        # the traced graph's inputs are the Dynamo graph's unless AOTAutograd dropped or merged some
+        positions = draws if self.plan.traced_inputs == self.inputs else range(len(args))
+        for i in positions:
+            if local_values.lookup(args[i]) is not None:
+                ops = ", ".join(f"{op.original} at {op.source}" for op in self.plan.ops if op.sharding is None)
+                raise NotImplementedError(
+                    f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) on values "
+                    f"computed from its input {i}, a plain tensor that is this rank's piece of a sharded DTensor "
+                    "(to_local() in code that ran before this graph: a graph break separates them). The graph "
+                    "would draw it as a replica - every rank the same values for different pieces. Keep "
+                    "to_local() and the random op in one graph (remove the graph break), or keep the tensor a "
+                    "DTensor (use_local_output=False in the TP plan)"
+                )
+
+    def record(self, outputs: Any) -> Any:
+        if self.outputs is not None and local_values.is_recording():
+            for value, layout in zip(outputs, self.outputs):
+                local_values.record(value, layout)
+        return outputs
+
+
 class Backend:
     """A ``torch.compile`` backend; ``plans`` keeps what the pass did, one per graph."""
 
@@ -341,7 +377,7 @@ class Backend:
         )
         device = _graph_device(gm, list(example_inputs))
         keyed_gm, inputs = _with_key_input(gm, list(example_inputs), self.config.batched, device)
-        local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
+        output_layouts = local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
         check = verify.enabled(self.config.verify)
         # verify needs the ops' meshes, explain and dumps the pass's own record: the
         # pass runs for them (a filed plan has neither meshes nor this compile's dump)
@@ -359,6 +395,7 @@ class Backend:
 
         graph_signature = verify.signature(plan)
         groups = []
+        pieces = _LocalPieces(plan, len(placeholders), output_layouts)
 
         def run(*args):
             if check:
@@ -373,8 +410,9 @@ class Backend:
             else:
                 seed, offset = state.advance(advance(args), device)
                 key = make_key(seed, offset, device)
+            pieces.check(args)
             with dispatch_modes.graph_call():
-                return compiled(*args, key)
+                return pieces.record(compiled(*args, key))
 
         return run
 

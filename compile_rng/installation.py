@@ -20,6 +20,8 @@ compile_rng's CPU stream on exit                            leaves the training 
 in-place ops DTensor leaves unrouted (``exponential_``...)
 ``_dispatch.run_dtensor_rng_op`` wrapped: with the          DTensor's accelerator branch runs random
 tracker's offsets it runs the op in the tracker's region    ops through it, not through the region
+``DTensor.to_local`` wrapped: inside compile_rng's eager    a plain TP plan's eager code draws on
+stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager_shards`)
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng.torch_internals`.
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from . import state, torch_internals, trunc_normal
+from . import local_values, state, torch_internals, trunc_normal
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 
@@ -98,6 +100,9 @@ def uninstall() -> None:
         torch_internals.set_rng_tracker(_stock["rng_tracker"])
         torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
         torch_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
+        from torch.distributed.tensor import DTensor
+
+        DTensor.to_local = _stock["to_local"]
         handlers = torch_internals.dtensor_op_handlers()
         for op in tracker.UNROUTED:
             if handlers.get(op) is tracker.inplace_handler:
@@ -156,17 +161,34 @@ def _install_tracker(tracker: ModuleType) -> None:
     # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
     dtensor_random = torch_internals.dtensor_random()
     if "rng_tracker" not in _stock:
+        from torch.distributed.tensor import DTensor
+
         dispatch = torch_internals.dtensor_dispatch()
         _stock.update(
             rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
-            run_dtensor_rng_op=dispatch.run_dtensor_rng_op,
+            run_dtensor_rng_op=dispatch.run_dtensor_rng_op, to_local=DTensor.to_local,
         )
         dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
         dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
+        DTensor.to_local = _to_local_hook(DTensor.to_local)
     torch_internals.set_rng_tracker(tracker.TRACKER)
     handlers = torch_internals.dtensor_op_handlers()
     for op in tracker.UNROUTED:
         handlers[op] = tracker.inplace_handler
+
+
+def _to_local_hook(stock: Callable) -> Callable:
+    # Inside compile_rng's eager stream the local tensor of a sharded DTensor is recorded
+    # (compile_rng.local_values): eager random ops on it then draw its piece of the
+    # DTensor op's counters. Elsewhere, and on traced (fake) values, nothing changes.
+    @functools.wraps(stock)
+    def to_local(self, *, grad_placements=None):
+        result = stock(self, grad_placements=grad_placements)
+        if local_values.is_recording() and any(not p.is_replicate() for p in self.placements):
+            local_values.record(result, local_values.Layout.of(self))
+        return result
+
+    return to_local
 
 
 def _rng_supported_mesh(stock: Callable, tracker: ModuleType) -> Callable:

@@ -47,30 +47,13 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from . import tracker
 from .dispatch_modes import RandomOpMode, drawn_shape
-from .torch_internals import (
-    TorchDispatchMode,
-    detect_fake_mode,
-    distribute_region,
-    dtensor_operands_kept,
-    dtensor_spec,
-    local_tensor,
-    tree_leaves,
-)
-
-
-@dataclass(frozen=True)
-class Lost:
-    """A tensor that is some rank-dependent piece of a global tensor, with no known layout."""
-
-    why: str
-
-
-def _sharded(value: Any) -> bool:
-    return isinstance(value, DTensor) and any(not isinstance(p, Replicate) for p in value.placements)
+from .local_values import Layout, Lost
+from .shard_layouts import SizeArgument, is_sharded, propagate
+from .torch_internals import TorchDispatchMode, detect_fake_mode, distribute_region, dtensor_spec, local_tensor, tree_leaves
 
 
 def _example(node: Any) -> Any:
@@ -90,14 +73,31 @@ def _describe(node: fx.Node) -> str:
     return f"{node.target if node.op == 'call_method' else getattr(node.target, '__name__', node.target)} at {_where(node)}"
 
 
-class _Moved(Exception):
-    """DTensor would move an operand to run this op: the local op computes something else."""
-
-
-def _run(node: fx.Node, args: tuple, kwargs: dict) -> Any:
+def _run(node: fx.Node) -> Any:
+    """``node``'s callable, taking the node's arguments."""
     if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return node.target(*args, **kwargs)
+        return lambda self, *args, **kwargs: getattr(self, node.target)(*args, **kwargs)
+    return node.target
+
+
+_SIZE_KINDS = {"view": "view", "reshape": "view", "expand": "expand"}
+
+
+def _size_argument(node: fx.Node, args: tuple, kwargs: dict) -> SizeArgument | None:
+    """The sizes of a ``view`` / ``reshape`` / ``expand`` node (``x.view(a, b)``,
+    ``x.view((a, b))``, ``torch.reshape(x, (a, b))``)."""
+    name = node.target if node.op == "call_method" else ("reshape" if node.target is torch.reshape else None)
+    if name not in _SIZE_KINDS or kwargs or len(args) < 2:
+        return None
+    packed = len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+    sizes = tuple(args[1]) if packed else tuple(args[1:])
+    if not all(isinstance(s, (int, torch.SymInt)) for s in sizes):
+        return None
+
+    def with_sizes(new: list) -> tuple:
+        return ((args[0], tuple(new)) if packed else (args[0], *new)), kwargs
+
+    return SizeArgument(_SIZE_KINDS[name], sizes, with_sizes)
 
 
 def _is_attention(node: fx.Node) -> bool:
@@ -113,7 +113,7 @@ class _Analysis:
 
     def start(self, node: fx.Node) -> bool:
         """Whether ``node`` is a ``to_local()`` of a sharded DTensor (recorded then)."""
-        if node.op == "call_method" and node.target == "to_local" and _sharded(_example(node.args[0])):
+        if node.op == "call_method" and node.target == "to_local" and is_sharded(_example(node.args[0])):
             self.values[node] = _example(node.args[0])
             self.fake_mode = self.fake_mode or detect_fake_mode([local_tensor(self.values[node])])
             return True
@@ -133,27 +133,10 @@ class _Analysis:
         if node.target is torch.cat and args and isinstance(args[0], (list, tuple)):
             # torch.cat skips 1-D empty operands (a KV cache's first step); DTensor's rule does not
             args = ([t for t in args[0] if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (0,))], *args[1:])
-        try:
-            # fake operands run on their own mode (DTensor's rules bring their own)
-            with _implicit_replication(), dtensor_operands_kept(_Moved):
-                result = _run(node, args, kwargs)
-        except _Moved as e:
-            return Lost(f"{_describe(node)} mixes placements that DTensor would move data for ({e})")
-        except Exception as e:  # DTensor's rules refuse the local program: no layout to recover
-            return Lost(f"DTensor's sharding rules do not describe {_describe(node)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        expected = tree_leaves(_example(node))
-        got = tree_leaves(result)
-        if len(expected) != len(got):
-            return Lost(f"{_describe(node)} returns another structure on DTensors")
-        if not any(_sharded(g) for g in got):
-            return None
-        if not isinstance(result, DTensor):
-            # a tuple of pieces (split, chunk): getitem nodes pick them up
-            return result
-        if tuple(result.to_local().shape) != tuple(expected[0].shape):
-            return Lost(f"{_describe(node)}: the local result has shape {tuple(expected[0].shape)}, the DTensor "
-                        f"rules give a local shape {tuple(result.to_local().shape)}")
-        return result
+        # fake operands run on their own mode (DTensor's rules bring their own)
+        return propagate(
+            _run(node), args, kwargs, tree_leaves(_example(node)), _describe(node), _size_argument(node, args, kwargs)
+        )
 
     def _attention(self, node: fx.Node, output: bool) -> Any:
         """SDPA: its output (``output``) or its attention matrix, laid out like ``q``'s heads."""
@@ -193,12 +176,6 @@ class _Analysis:
 
 def _local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _implicit_replication() -> Any:
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()
 
 
 class ShardedCall:
@@ -259,10 +236,11 @@ class _DrawsShape(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def rewrite(gm: fx.GraphModule) -> int:
+def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
     """Make every node of ``gm`` (a Dynamo graph) that computes on shard values a
-    :class:`ShardedCall`; returns how many. A graph without ``to_local()`` of a sharded
-    DTensor is left as it is."""
+    :class:`ShardedCall`; returns the layout of each of the graph's outputs (None for a
+    replica), for the eager code that receives them. A graph without ``to_local()`` of
+    a sharded DTensor is left as it is."""
     analysis = _Analysis(gm.graph)
     count = 0
     for node in gm.graph.nodes:
@@ -273,7 +251,7 @@ def rewrite(gm: fx.GraphModule) -> int:
         value = analysis.values.get(node.args[0]) if node.args else None
         if node.op == "call_function" and node.target is operator.getitem and isinstance(value, (tuple, list, Lost)):
             result = value if isinstance(value, Lost) else value[node.args[1]]
-            if isinstance(result, Lost) or _sharded(result):
+            if isinstance(result, Lost) or is_sharded(result):
                 analysis.values[node] = result
             continue
         result = analysis.propagate(node)
@@ -285,4 +263,13 @@ def rewrite(gm: fx.GraphModule) -> int:
         count += 1
     if count:
         gm.recompile()
-    return count
+    return [_output_layout(analysis.values.get(n)) for n in tree_leaves(gm.graph.output_node().args)]
+
+
+def _output_layout(value: Any) -> Layout | Lost | None:
+    """What eager code learns of a graph output that is ``value`` here."""
+    if not isinstance(value, DTensor):
+        return value if isinstance(value, Lost) else None
+    if not all(isinstance(s, int) for s in (*value.shape, *value.stride())):
+        return Lost("a compiled graph returned it with a dynamic global shape")
+    return Layout.of(value)

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack
 from torch.utils._python_dispatch import _pop_mode_temporarily as pop_dispatch_mode_temporarily
-from torch.utils._pytree import tree_leaves  # the leaves of an op's (args, kwargs)
+from torch.utils._pytree import tree_leaves, tree_map  # the leaves of an op's (args, kwargs); map over them
 
 __all__ = [  # and the lazy names of _LAZY, added below
     "OpOverload",
@@ -60,6 +60,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "mesh_coordinate_of_rank",
     "op_arguments",
     "op_name",
+    "quiet_fake_tensor_failures",
     "pop_dispatch_mode_temporarily",
     "rank_free_mesh_cache_keys",
     "register_device_mesh_ops",
@@ -71,6 +72,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "traced_code_name",
     "traced_graph",
     "tree_leaves",
+    "tree_map",
 ]
 
 
@@ -329,6 +331,23 @@ def dtensor_op_handlers() -> dict:
 def dtensor_spec(dtensor: Any) -> Any:
     """A DTensor's ``DTensorSpec`` (mesh, placements, shape): what the tracker receives."""
     return dtensor._spec
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_failures() -> Iterator[None]:
+    """FakeTensorMode logs a traceback for every op whose meta kernel raises
+    (``torch/_subclasses/fake_tensor.py``, 2.13-2.15) before re-raising it; where a
+    failure is an expected answer (a sharding rule that does not fit), not a bug,
+    that log is noise."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 @contextlib.contextmanager

@@ -22,9 +22,11 @@ its first in-range draw either way).
 
 Installed as ``torch.nn.init.trunc_normal_`` on import (:mod:`compile_rng.installation`). It takes over for DTensors on
 CPU meshes and for plain tensors inside compile_rng's stream (``@compile_rng.init``,
-``eager_stream``); anything else (torch's generator, other dtypes, narrow truncation,
-a ``generator``, ranks outside the mesh) runs torch's
-own implementation.
+``eager_stream``): float32 on CPU as above; other dtypes and devices run torch's loop
+(whole redraws), and narrow truncation (at most 30% of the mass in ``[a, b]``) torch's
+rejection sampler, both with their stop tests reduced over the mesh. Anything else
+(torch's generator, a ``generator``, ranks outside the mesh) runs torch's own
+implementation.
 """
 
 from __future__ import annotations
@@ -64,17 +66,55 @@ def _on_the_stream(tensor: torch.Tensor) -> bool:
     return any(isinstance(m, dispatch_modes.RandomOpMode) for m in dispatch_mode_stack())
 
 
-def _fast_path_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:
+def _on_stream_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:
+    """Whether compile_rng runs torch's algorithm itself (on the stream, stop tests reduced)."""
     return (
         _on_the_stream(tensor)
         and generator is None
-        and tensor.dtype == torch.float32
-        and tensor.device.type == "cpu"
         and not tensor.is_meta
         and a - 2 * std <= mean <= b + 2 * std  # else torch warns; let it
-        and _mass(mean, std, a, b) > 0.3
         and (not _is_dtensor(tensor) or tensor.device_mesh.get_coordinate() is not None)
     )
+
+
+def _any(mask: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """``mask.any()`` over the whole (DTensor-global) tensor."""
+    local = mask.to_local() if _is_dtensor(mask) else mask
+    return _any_on_mesh(bool(local.any()), tensor)
+
+
+def _narrow_loop(tensor: torch.Tensor, mean: float, std: float, a: float, b: float) -> torch.Tensor:
+    """torch 2.13's rejection sampler for at most 30% of the mass in ``[a, b]``
+    (``torch/nn/init.py``: uniform proposals, accepted by the log density), with its
+    stop tests reduced over the DTensor's mesh."""
+    mode = max(a, min(mean, b))
+    log_peak = -0.5 * ((mode - mean) / std) ** 2
+
+    def log_pdf(x: torch.Tensor) -> torch.Tensor:
+        return x.sub_(mean).div_(std).pow_(2).mul_(-0.5).sub_(log_peak)
+
+    candidates, accept_buf = torch.empty_like(tensor), torch.empty_like(tensor)
+    tensor.uniform_(a, b)
+    candidates.copy_(tensor)
+    pending = accept_buf.uniform_().log_().gt(log_pdf(candidates))
+    result = tensor
+    while _any(pending, tensor):
+        candidates.uniform_(a, b)
+        result = torch.where(pending, candidates, result)
+        pending = torch.where(pending, accept_buf.uniform_().log_().gt(log_pdf(candidates)), pending)
+    if result is not tensor:
+        tensor.copy_(result)
+    return tensor
+
+
+def _redraw_loop(tensor: torch.Tensor, mean: float, std: float, lo: float, hi: float) -> torch.Tensor:
+    """torch's loop, with its stop test reduced over the DTensor's mesh (any dtype)."""
+    result = tensor.normal_(mean, std)
+    while True:
+        mask = (result < lo) | (result > hi)
+        if not _any(mask, tensor):
+            return tensor
+        result.copy_(torch.where(mask, torch.empty_like(result).normal_(mean, std), result))
 
 
 def _never_rejects(mean: float, std: float, a: float, b: float) -> bool:
@@ -110,13 +150,18 @@ def trunc_normal_(
 ) -> torch.Tensor:
     """``torch.nn.init.trunc_normal_`` with the values and state advance torch's
     implementation has on compile_rng's stream (see the module docstring)."""
-    if not _fast_path_applies(tensor, mean, std, a, b, generator):
+    if not _on_stream_applies(tensor, mean, std, a, b, generator):
         return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator)
     with torch.no_grad():
+        if _mass(mean, std, a, b) <= 0.3:
+            return _narrow_loop(tensor, mean, std, a, b)
         if _never_rejects(mean, std, a, b):
             return tensor.normal_(mean, std)
         lo = tensor.new_tensor(a, device="cpu").item()  # bounds in the tensor's dtype, as torch
         hi = tensor.new_tensor(b, device="cpu").item()
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            # no kernel draws other dtypes at given counters: torch's loop, kept in step across ranks
+            return _redraw_loop(tensor, mean, std, lo, hi)
         with dispatch_modes.recorded_counters() as log:
             tensor.normal_(mean, std)
         (draw,) = log

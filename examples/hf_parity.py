@@ -1,8 +1,9 @@
 """Same loss curve on model code nobody here wrote: Hugging Face ``transformers`` models.
 
 GPT-2 (embedding, attention and residual dropout, SDPA) and Llama (SDPA attention
-dropout, GQA, RoPE) are built from small configs (no weights), in float64, and train
-with AdamW on a fixed synthetic global batch, with ``compile_rng.step`` around each
+dropout, GQA, RoPE) are built from small configs (no weights), in float64, parallelized,
+initialized on the stream (``@compile_rng.init(mode="invariant")``: each rank draws its
+shard of the single device's weights), and train with AdamW on a fixed synthetic global batch, with ``compile_rng.step`` around each
 optimizer step and ``compile_rng.backend(layout="invariant", batched=True)`` where
 something is compiled. Each configuration is a parallelism and a way of compiling:
 
@@ -45,7 +46,7 @@ LR = 3e-3
 
 
 def build(family: str) -> nn.Module:
-    """The same float64 weights on every process (transformers' own init, fixed seed)."""
+    """The model in float64 (its weights are drawn again by :func:`init_weights`)."""
     import transformers
 
     if family == "gpt2":
@@ -56,7 +57,8 @@ def build(family: str) -> nn.Module:
         cls = transformers.GPT2LMHeadModel
     elif family == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            # 70 MLP features: FSDP2 x TP=2x2 shards them 18/17 rows per piece (uneven _StridedShard)
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=70, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
             attention_dropout=0.1, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
@@ -68,6 +70,17 @@ def build(family: str) -> nn.Module:
     model = cls(config).to(torch.float64)
     model.train()
     return model
+
+
+@compile_rng.init(mode="invariant", seed=SEED)
+def init_weights(model: nn.Module) -> None:
+    """torchtitan-style init on the stream, after parallelizing: every rank draws its own
+    shard of the single device's weights (uneven FSDP2 x TP pieces included)."""
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            nn.init.trunc_normal_(p, std=0.02, a=-0.04, b=0.04)
+        else:
+            nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
 
 
 def layers(model: nn.Module) -> nn.ModuleList:
@@ -90,6 +103,7 @@ PARALLELISMS = {
     "DDP=2": Parallelism(2, dp=2, wrapper="ddp"),
     "FSDP2=2": Parallelism(2, dp=2, wrapper="fsdp"),
     "TP=2": Parallelism(2, tp=2),
+    "FSDP2xTP=2x2": Parallelism(4, dp=2, tp=2, wrapper="fsdp"),
 }
 COMPILES = ("whole", "layers", "eager")
 
@@ -103,6 +117,9 @@ CONFIGS = [
     ("llama", "FSDP2=2", "layers"),
     ("llama", "accum=2", "eager"),
     ("llama", "TP=2", "layers"),
+    ("llama", "TP=2", "whole"),
+    ("llama", "TP=2", "eager"),
+    ("llama", "FSDP2xTP=2x2", "layers"),
 ]
 
 
@@ -165,6 +182,7 @@ def train(family: str, parallelism: str, compile: str, steps: int) -> list[float
     torch._dynamo.reset()
     how = PARALLELISMS[parallelism]
     model, dp_mesh, dp_coord = _parallelize(build(family), how)
+    init_weights(model)
     model = _compile(model, compile)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     torch.manual_seed(SEED)  # every rank: the same stream position at step 0

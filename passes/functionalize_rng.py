@@ -129,6 +129,11 @@ class RngPlan:
     #: ``local_rows`` is that dim's size, the same for every op (None until one is seen)
     batched: bool = False
     local_rows: sympy.Expr | None = None
+    #: positions among the traced graph's inputs (the key not counted) that a plain-tensor
+    #: random op's tensor is computed from, and how many inputs that graph has: the
+    #: backend refuses a tensor-parallel rank's local piece there (compile_rng.local_values)
+    draw_inputs: tuple[int, ...] = ()
+    traced_inputs: int = 0
 
     @property
     def cached(self) -> bool:
@@ -391,6 +396,21 @@ class _BatchRows:
         raise NotImplementedError(f"compile_rng: cannot emit the batch offset term {expr}")
 
 
+def _note_draw_inputs(graph: fx.Graph, plain_sites: list[fx.Node], plan: RngPlan) -> None:
+    """Record which graph inputs the plain-tensor random ops' tensors are computed from."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    position = {n: i for i, n in enumerate(inputs[:-1])}  # the key is the last input
+    found, seen, todo = set(plan.draw_inputs), set(), list(plain_sites)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            if node in position:
+                found.add(position[node])
+            todo.extend(node.all_input_nodes)
+    plan.draw_inputs, plan.traced_inputs = tuple(sorted(found)), len(inputs) - 1
+
+
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
     sites = [n for n in graph.nodes if _draws(n) or n.target is pending_key]
     if not sites:
@@ -398,6 +418,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
         return
     plan.graphs_before.append(graph.python_code("self").src)
     key = find_key(graph, plan.batched)
+    _note_draw_inputs(graph, [n for n in sites if n.target is not pending_key], plan)
     emitter = SymEmitter(graph)
     batch = _BatchRows(graph, key, emitter, plan, sites[0]) if plan.batched else None
     for node in sites:

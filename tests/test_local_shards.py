@@ -1,16 +1,23 @@
-"""Plain tensor-parallel plans: random ops on a TP rank's local tensors (``local_shards``).
+"""Plain tensor-parallel plans: random ops on a TP rank's local tensors, compiled
+(``local_shards``) and eager (``eager_shards``).
 
 ``ColwiseParallel()`` with its default local outputs hands attention this rank's heads as
 plain tensors. Fake process-group ranks (the forward below has no collective, so its
-values are real):
+values are real); every case runs compiled and eagerly (inside ``eager_stream`` and in a
+``compile_rng.step``), and eager must draw the compiled graph's masks:
 
 * tracker layout: the ranks' attention-dropout masks differ, and each is the scalar
   reference's stream at the tracker's counters of the attention matrix's ``Shard(1)``;
-* invariant layout: the ranks' heads assemble to the single device's masks bitwise;
+* invariant layout: the ranks' heads assemble to the single device's masks bitwise, also
+  when the program reshapes with sizes read off the local shape (``flat``);
 * transformers' Llama attention under its plain plan: the attention dropout is drawn as
   a DTensor op on the head-sharded attention matrix;
 * a shard whose layout DTensor's rules cannot describe: the random op is refused, with
-  its line and the fix. Real gloo ranks (loss curves): ``test_hf_parity.py``.
+  its line and the fix;
+* a piece that crosses a graph break: eager code after the graph draws its layout; a
+  graph that receives it as an input and draws on it refuses it.
+
+Real gloo ranks (loss curves, eager and compiled): ``test_hf_parity.py``.
 """
 
 import pytest
@@ -28,23 +35,29 @@ from compile_rng.dispatch_modes import eager_stream
 SEED = 5
 B, S, D, H = 2, 4, 8, 4  # heads of 2 features: 2 heads per rank on 2 ranks
 P = 0.5
+HOWS = ("compiled", "eager", "step")
 
 
 class Scores(nn.Module):
-    """Attention probabilities with dropout, on whatever heads this rank's q/k hold."""
+    """Attention probabilities with dropout, on whatever heads this rank's q/k hold.
 
-    def __init__(self, reshape_literally: bool = False):
+    ``variant``: ``"scores"`` the probabilities; ``"flat"`` this rank's q flattened per
+    sample with literal sizes read off its local shape; ``"first_head"`` the first of
+    this rank's heads (a piece DTensor's rules cannot describe without moving data)."""
+
+    def __init__(self, variant: str = "scores"):
         super().__init__()
         torch.manual_seed(0)
         self.q, self.k = nn.Linear(D, D, dtype=torch.float64), nn.Linear(D, D, dtype=torch.float64)
-        self.reshape_literally = reshape_literally
+        self.variant = variant
 
     def forward(self, x):
         b, s, _ = x.shape
         q, k = (w(x).view(b, s, -1, D // H).transpose(1, 2) for w in (self.q, self.k))
-        if self.reshape_literally:  # the local shape as literal sizes: no DTensor rule fits
-            q = q.reshape(b, q.shape[1] * s * (D // H))
-            return F.dropout(q, P)
+        if self.variant == "flat":
+            return F.dropout(q.reshape(b, q.shape[1] * s * (D // H)), P)
+        if self.variant == "first_head":
+            return F.dropout(q[:, :1], P)
         return F.dropout((q @ k.transpose(-1, -2)).softmax(-1), P)
 
 
@@ -52,20 +65,35 @@ def _input():
     return torch.randn(B, S, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
-def _on_rank(rank: int, layout: str, model: nn.Module | None = None):
-    """This rank's local output of the plain-plan model, compiled with ``layout``."""
+def _tensor_parallel(model: nn.Module, rank: int) -> nn.Module:
+    mesh = init_device_mesh("cpu", (2,))
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parallelize_module(model, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
+    with torch.no_grad():  # the fake group's scatter sends nothing: put the rank's rows in
+        for name, p in model.named_parameters():
+            p.to_local().copy_(full[name].chunk(2)[rank])
+    return model
+
+
+def _run(model: nn.Module, x: torch.Tensor, layout: str, how: str):
+    """``model(x)`` compiled with ``layout``, eagerly on the stream, or eagerly in a step."""
+    compile_rng.manual_seed(SEED)
+    if how == "compiled":
+        return torch.compile(model, backend=compile_rng.backend(layout=layout))(x)
+    if how == "step":  # a step's layout is invariant: element (i, ...) at its row of the batch
+        assert layout == "invariant"
+        with compile_rng.step(x.shape[0]):
+            return model(x)
+    with compile_rng.mode(layout), eager_stream():
+        return model(x)
+
+
+def _on_rank(rank: int, layout: str, how: str = "compiled", variant: str = "scores"):
+    """This rank's local output of the plain-plan model, and the state after it."""
     with fake_rank(rank, 2):
         torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", (2,))
-        model = model or Scores()
-        full = {name: p.detach().clone() for name, p in model.named_parameters()}
-        parallelize_module(model, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
-        with torch.no_grad():  # the fake group's scatter sends nothing: put the rank's rows in
-            for name, p in model.named_parameters():
-                p.to_local().copy_(full[name].chunk(2)[rank])
-        compiled = torch.compile(model, backend=compile_rng.backend(layout=layout))
-        compile_rng.manual_seed(SEED)
-        return compiled(_input()), compile_rng.get_state()
+        out = _run(_tensor_parallel(Scores(variant), rank), _input(), layout, how)
+        return out, compile_rng.get_state()
 
 
 def _keep(start: int, n: int) -> torch.Tensor:
@@ -76,9 +104,10 @@ LOCAL = (B, H // 2, S, S)
 GLOBAL_NUMEL = B * H * S * S
 
 
+@pytest.mark.parametrize("how", ["compiled", "eager"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tracker_layout_ranks_draw_their_shard_counters(rank):
-    out, state = _on_rank(rank, "tracker")
+def test_tracker_layout_ranks_draw_their_shard_counters(rank, how):
+    out, state = _on_rank(rank, "tracker", how)
     n = B * (H // 2) * S * S
     # the tracker's layout of Shard(1) on (B, H, S, S): shard_linear_idx * numel(first shard)
     expected = _keep(ceil4(rank * n), n).view(LOCAL)
@@ -86,20 +115,27 @@ def test_tracker_layout_ranks_draw_their_shard_counters(rank):
     assert state == (SEED, ceil4(GLOBAL_NUMEL))
 
 
-def test_tracker_layout_masks_differ_across_ranks():
-    masks = [_on_rank(rank, "tracker")[0] != 0 for rank in range(2)]
+@pytest.mark.parametrize("how", ["compiled", "eager"])
+def test_tracker_layout_masks_differ_across_ranks(how):
+    masks = [_on_rank(rank, "tracker", how)[0] != 0 for rank in range(2)]
     assert not torch.equal(masks[0], masks[1])
 
 
-def test_invariant_layout_assembles_to_the_single_device():
-    single, x = Scores(), _input()
+def _single_device(variant: str) -> torch.Tensor:
+    model, x = Scores(variant), _input()
     compile_rng.manual_seed(SEED)
     with eager_stream():  # a plain tensor: counters at its row-major index
-        full = single(x)
-    expected = _keep(0, GLOBAL_NUMEL).view(B, H, S, S)
+        return model(x)
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("variant, dim", [("scores", 1), ("flat", 1)])
+def test_invariant_layout_assembles_to_the_single_device(variant, dim, how):
+    full = _single_device(variant)
+    expected = _keep(0, full.numel()).view(full.shape)
     assert torch.equal(full != 0, expected)
-    pieces = [_on_rank(rank, "invariant")[0] for rank in range(2)]
-    assembled = torch.cat(pieces, dim=1)
+    pieces = [_on_rank(rank, "invariant", how, variant)[0] for rank in range(2)]
+    assembled = torch.cat(pieces, dim=dim)
     assert torch.equal(assembled != 0, expected)
     assert (assembled - full).abs().max() < 1e-12
 
@@ -130,6 +166,49 @@ def test_transformers_llama_attention_dropout_is_drawn_on_its_heads():
     assert [getattr(p, "dim", None) for p in op.sharding.placements] == [1]
 
 
-def test_a_shard_without_a_layout_is_refused():
-    with pytest.raises(Exception, match=r"(?s)native_dropout.default in dropout at .*test_local_shards.py:\d+.*cannot be recovered.*reshape at .*use_local_output=False"):
-        _on_rank(0, "invariant", Scores(reshape_literally=True))
+@pytest.mark.parametrize("how, op, lost", [
+    ("compiled", r"native_dropout.default in dropout", "getitem"), ("eager", r"aten.bernoulli_.float", "aten.slice.Tensor"),  # eager dropout: bernoulli_
+])
+def test_a_shard_without_a_layout_is_refused(how, op, lost):
+    line = r"test_local_shards.py:\d+"
+    pattern = rf"(?s){op} at .*{line}.*cannot be recovered: {lost} at .*{line}.*use_local_output=False"
+    with pytest.raises(Exception, match=pattern):
+        _on_rank(0, "invariant", how, "first_head")
+
+
+class _Broken(Scores):
+    """The attention scores, with a graph break between ``to_local()`` and the dropout:
+    the dropout runs in eager code after the graph, or (``in_graph``) in the next graph."""
+
+    def __init__(self, in_graph: bool):
+        super().__init__()
+        self.in_graph = in_graph
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k = (w(x).view(b, s, -1, D // H).transpose(1, 2) for w in (self.q, self.k))
+        probs = (q @ k.transpose(-1, -2)).softmax(-1)
+        torch._dynamo.graph_break()
+        return F.dropout(probs, P) if self.in_graph else torch._dynamo.disable(F.dropout)(probs, P)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_piece_returned_by_a_graph_is_drawn_on_its_layout_in_eager_code(rank):
+    expected, _ = _on_rank(rank, "invariant", "compiled")
+    with fake_rank(rank, 2):
+        torch._dynamo.reset()
+        model = _tensor_parallel(_Broken(in_graph=False), rank)
+        compiled = compile_rng.compile(model, layout="invariant")
+        compile_rng.manual_seed(SEED)
+        with compile_rng.mode("invariant"):
+            out = compiled(_input())
+    assert torch.equal(out != 0, expected != 0)
+
+
+def test_a_graph_refuses_a_piece_it_would_draw_as_a_replica():
+    with fake_rank(0, 2):
+        torch._dynamo.reset()
+        model = _tensor_parallel(_Broken(in_graph=True), 0)
+        compiled = compile_rng.compile(model, layout="invariant")
+        with pytest.raises(NotImplementedError, match=r"(?s)native_dropout.*input \d+, a plain tensor that is this rank's piece.*graph break"):
+            compiled(_input())

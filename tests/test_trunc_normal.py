@@ -65,21 +65,23 @@ def _dtensor_worker(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     placements = [[Shard(0)], [Shard(1)], [Replicate()]]
     drifted = []
+    # float32: the fast path; float64: torch's loop; the narrow case: torch's rejection sampler
+    cases = [(dtype, shape, kw) for dtype in (torch.float32, torch.float64) for shape, kw in CASES[:5]]
     for mode in ("tracker", "invariant"):
         for placement in placements:
-            for shape, kw in CASES[:4]:
+            for dtype, shape, kw in cases:
                 shape = (shape[0] + 1, shape[1])  # uneven over 2 ranks along dim 0
                 outs = []
                 for fn in (_torch_loop, _fast):
                     compile_rng.manual_seed(77)
-                    t = distribute_tensor(torch.zeros(shape), mesh, placement)
+                    t = distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, placement)
                     fn(t, kw, mode)
                     outs.append((t.to_local().clone(), compile_rng.get_state()))
-                assert torch.equal(outs[0][0], outs[1][0]), (mode, placement, kw)
+                assert torch.equal(outs[0][0], outs[1][0]), (mode, placement, dtype, kw)
                 # torch's loop stops per rank; ours when every rank is done: the largest advance
                 states = [None] * world
                 dist.all_gather_object(states, (outs[0][1], outs[1][1]))
-                assert {s[1] for s in states} == {max(s[0] for s in states)}, (mode, placement, kw, states)
+                assert {s[1] for s in states} == {max(s[0] for s in states)}, (mode, placement, dtype, kw, states)
                 drifted.append(len({s[0] for s in states}) > 1)
     # torch 2.13's bool(mask.any()) of a sharded DTensor reads the rank's Partial value, so
     # its loop stops per rank and the states drift (the cases exercise it); torch 2.15
