@@ -143,11 +143,14 @@ def compile_variant(name: str, arch: int) -> tuple[Compiled, dict]:
     start = time.perf_counter()
     asm = triton_internals.compile_for(kernel, bound, arch)
     seconds = time.perf_counter() - start
-    result = Compiled(
-        name, arch, _ptxas_resources(asm["ptx"], arch, bound.options), _cubin_registers(asm["cubin"]),
-        seconds, len(sass(asm["cubin"])),
-    )
-    return result, asm
+    resources, cubin_registers, instructions = inspect(asm, arch, bound.options)
+    return Compiled(name, arch, resources, cubin_registers, seconds, instructions), asm
+
+
+def inspect(asm: dict, arch: int, options: dict) -> tuple[Resources, int, int]:
+    """Of one compiled kernel (Triton's stage outputs for GPU ``arch``, compiled with
+    ``options``): ``ptxas -v``'s resources, the cubin's registers, its SASS length."""
+    return _ptxas_resources(asm["ptx"], arch, options), _cubin_registers(asm["cubin"]), len(sass(asm["cubin"]))
 
 
 _RESULT = "compile_rng-aot-result "  # marks the worker's answer lines (Triton may print too)

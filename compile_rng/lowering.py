@@ -17,10 +17,19 @@ values holding uint32 words and never overflows int64 (see ``stream._mulhilo``),
 generated C++ has no undefined behaviour. The transforms are the shared definitions in
 :mod:`compile_rng.stream`, so compiled values match the eager kernels.
 
-On accelerators every op is a call of its Triton kernel (:mod:`compile_rng.triton_kernels`),
-not a fused loop: those kernels are checked bitwise against the scalar reference in
-Triton's interpreter, while the Triton code Inductor would generate from these
-lowerings can only run on a GPU, where it has not been verified yet.
+Fused loops only for CPU graphs (:data:`FUSED_DEVICE_TYPES`): on accelerators every op
+is a call of its Triton kernel (:mod:`compile_rng.triton_kernels`), the code that is
+checked - bitwise in Triton's interpreter, and compiled ahead of time for sm_80/90/100
+with no spills (:mod:`compile_rng.gpu_aot`). The fused Triton these lowerings give a CUDA
+graph is correct too (``tests/test_accelerator_path.py`` generates it on fake CUDA
+tensors, runs it in the interpreter bitwise and compiles it for sm_90), but it is built
+for C++: int64 words with products split on 16 bits and one whole Philox block per
+element. For a float32 dropout on sm_90 that is 312 SASS instructions per element against
+the Triton kernel's 97 (it uses all four words of a block); the H100 prediction
+(``benchmarks/aot_gpu.py --per-element``) puts the fused loop at about 4x the kernel's time,
+bound by the integer pipe where the kernel is bound by memory - more than fusing saves (a
+read and a write of the neighbour's tensor). So accelerators keep the kernel, until
+``bench_gpu.py`` on a GPU says otherwise.
 
 Import this module to register the lowerings; the backend does.
 """
@@ -106,13 +115,18 @@ def _pointwise(
     )
 
 
+#: The device types whose graphs get the fused loops; elsewhere (CUDA, XPU) each op is a
+#: call of its Triton kernel. See the module docstring; tests pin it.
+FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+
+
 def _register(op: OpOverload) -> Callable:
-    """Register ``fn`` as ``op``'s lowering for CPU graphs; on an accelerator the op
-    stays a call of its Triton kernel (see the module docstring)."""
+    """Register ``fn`` as ``op``'s lowering for the graphs of :data:`FUSED_DEVICE_TYPES`;
+    elsewhere the op stays a call of its kernel (see the module docstring)."""
 
     def register(fn: Callable) -> Callable:
         def lower(key, *args):
-            if key.get_device_or_error().type != "cpu":
+            if key.get_device_or_error().type not in FUSED_DEVICE_TYPES:
                 return _extern(op, key, *args)
             return fn(key, *args)
 

@@ -1,0 +1,102 @@
+"""Inductor's code for a CUDA graph, generated on a machine with no GPU (no launch).
+
+Lowering a graph of fake CUDA tensors needs no device; generating its code asks the
+device for its properties and Triton for its active driver, and neither exists here.
+:func:`generated_code` answers those questions for an H100 (sm_90) and returns the
+module Inductor would compile: the wrapper and the Triton kernels' sources.
+
+Every private torch/triton API the tests use for this lives here, each with its reason;
+checked with torch 2.13.0 (triton 3.8.0, a CPU build) and 2.15.0 (triton 3.9.0, a CUDA
+build with no driver). The patches last only for the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+from collections.abc import Callable, Iterator, Sequence
+from unittest import mock
+
+import torch
+from torch._inductor.debug import DebugContext  # Scheduler logs IR through V.debug
+from torch._inductor.graph import GraphLowering  # lowering + codegen without compiling
+from torch._inductor.runtime.hints import DeviceProperties  # kernels' triton_meta
+from torch._inductor.virtualized import V  # the graph handler lowerings read
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+H100 = dict(major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor=65536,
+            max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32)
+
+
+@contextlib.contextmanager
+def _an_h100() -> Iterator[None]:
+    from torch._dynamo.device_interface import get_interface_for_device
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    props = types.SimpleNamespace(name="NVIDIA H100 (fake)", total_memory=80 << 30, gcnArchName="", **H100)
+    interface = get_interface_for_device("cuda")
+    h100 = DeviceProperties(type="cuda", index=0, cc=90, **{k: v for k, v in H100.items() if k != "minor"})
+    patches = [
+        # the scheduler picks Triton by the device's capability (torch.cuda, both builds)
+        mock.patch("torch.cuda.get_device_properties", lambda *a, **k: props),
+        mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
+        mock.patch("torch.cuda.is_available", lambda: True),
+        mock.patch("torch.cuda.device_count", lambda: 1),
+        mock.patch("torch.cuda.current_device", lambda: 0),
+        # Dynamo's device interface bound the torch.cuda functions at import
+        mock.patch.object(interface, "get_device_properties", lambda *a, **k: props),
+        mock.patch.object(interface, "get_compute_capability", lambda *a, **k: 90),
+        mock.patch.object(interface, "is_available", lambda *a, **k: True),
+        # DeviceProperties.create is functools.cache'd on the device: answer directly
+        mock.patch.object(DeviceProperties, "create", lambda *a, **k: h100),
+        # the kernels' cache key asks Triton's active driver, which needs libcuda
+        mock.patch("torch.utils._triton.triton_backend", lambda: make_backend(GPUTarget("cuda", 90, 32))),
+        mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "fake-h100"),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def generated_code(fn: Callable, inputs: Sequence[tuple[Sequence[int], torch.dtype]]) -> str:
+    """The module Inductor generates for ``fn`` (aten/custom ops on tensors) called on
+    CUDA tensors of the given ``(shape, dtype)``s."""
+    fake = FakeTensorMode()
+    with fake:
+        args = [torch.empty(list(shape), dtype=dtype, device="cuda") for shape, dtype in inputs]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    with _an_h100():
+        graph = GraphLowering(gm, example_inputs=args)
+        with V.set_graph_handler(graph), V.set_fake_mode(fake), DebugContext():
+            graph.run(*args)
+            code = graph.codegen()[0]
+    return getattr(code, "value", code)
+
+
+_KERNEL = re.compile(r"async_compile\.triton\('(\w+)', '''(.*?)''', device_str='cuda'\)", re.S)
+
+
+def triton_kernels(code: str) -> dict[str, str]:
+    """The Triton kernels of a generated module: name -> source (decorators included)."""
+    return dict(_KERNEL.findall(code))
+
+
+def jit_source(kernel_source: str) -> str:
+    """A generated kernel as a plain ``@triton.jit`` module: Inductor's autotuning
+    decorator (which would compile on the device) dropped, its helpers imported."""
+    body = kernel_source[kernel_source.index("@triton.jit"):]
+    return (
+        "import triton\nimport triton.language as tl\n"
+        "from torch._inductor.runtime import triton_helpers\n"
+        "from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math\n\n" + body
+    )
+
+
+def triton_meta(kernel_source: str) -> dict:
+    """The ``triton_meta`` Inductor gave a kernel: signature, constants, attributes."""
+    text = re.search(r"triton_meta=(\{.*?\}),\n", kernel_source, re.S).group(1)
+    return eval(text, {"DeviceProperties": lambda **k: k})  # noqa: S307 - Inductor's own literal
