@@ -17,6 +17,9 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_DIMS 16
 
@@ -64,7 +67,15 @@ static inline void walk_next(walk_t *w) {
 
 /* Runs fn(ctx, begin, end) over [0, numel) split across up to nthreads threads
  * (at least min_per_thread elements each); the calling thread takes the first part.
- * Returns 0, or -2 if a thread could not start (then nothing was computed). */
+ * Returns 0, or -2 if a thread could not start (then nothing was computed). Every kernel
+ * gives the same values however the range is split.
+ *
+ * Built with OpenMP (cpu_kernel.py's default), the threads are OpenMP's: the process's one
+ * libgomp, which torch's intra-op parallelism and Inductor's kernels use too, so its
+ * workers are already running. Threads of our own would be created per call and, on a
+ * machine with as many cores as threads, wait for cores that libgomp's workers keep
+ * spinning on after every torch parallel region (measured: the 2-thread training step
+ * slower than the 1-thread one). pthreads are the fallback for compilers without it. */
 typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
 typedef struct { range_fn fn; const void *ctx; int64_t begin, end; } task_t;
 
@@ -78,6 +89,18 @@ static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, ran
     if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
+    if (nthreads == 1) {
+        fn(ctx, 0, numel);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();  /* n < nthreads inside another team */
+        fn(ctx, numel * t / n, numel * (t + 1) / n);
+    }
+    return 0;
+#else
     task_t tasks[64];
     pthread_t tids[64];
     int started = 0;
@@ -93,6 +116,7 @@ static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, ran
     run_task(&tasks[0]);
     for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     return 0;
+#endif
 }
 
 typedef struct {
@@ -582,7 +606,8 @@ static inline vf word_to_float(vu w, const int offset) {
  * waiting on latencies, so every step below runs over all K vectors before the next. */
 #define EACH(K) for (int k = 0; k < (K); k++)
 /* Vectors side by side. Measured on AVX2 (Zen 4): 3 -> 1.29, 4 -> 1.25, 6 -> 1.31, 8 -> 1.35
- * ns/element (beyond 4 the 16 registers spill); AVX-512 and SSE2 also best at 4. */
+ * ns/element (beyond 4 the 16 registers spill; the Horner steps stay latency-bound);
+ * AVX-512 and SSE2 also best at 4. */
 #define BMK 4
 
 /* Box-Muller of K vectors of word pairs (we, wo): radius and (cos, sin) of the angle; a
