@@ -1,10 +1,15 @@
 """Random-number throughput: compile_rng vs eager PyTorch vs stock Inductor vs memset.
 
 Every figure is measured in the same run on the same machine; ratios are what to
-compare (absolute times drift). Prints the CPU and the instruction-set build of
-compile_rng's CPU kernel (``compile_rng.cpu_kernel.isa()``); ``--isa avx2 baseline ...``
-measures each named build in turn (forced with ``COMPILE_RNG_CPU_ISA``), each with its
-own baselines. For each build and thread count (1 and all cores) it times:
+compare (absolute times drift). Prints the CPU and, per row, the instruction set it ran
+with: compile_rng's CPU kernel build (``compile_rng.cpu_kernel.isa()``), ATen's CPU
+capability for eager torch and Inductor's vector ISA for its generated C++.
+``--isa avx2 baseline ...`` measures each named build of compile_rng's kernel in turn
+(forced with ``COMPILE_RNG_CPU_ISA``), each with its own baselines; ``--baseline-isa avx2``
+forces torch's side to AVX2 as well (``ATEN_CPU_CAPABILITY``, which ATen reads at start-up
+and Inductor's ``pick_vec_isa`` honours), so an AVX-512 machine measures what an AVX2-only
+one would run: ``--isa avx2 --baseline-isa avx2``. For each build and thread count (1 and
+all cores) it times:
 
 * compile_rng: ``torch.rand`` / ``torch.randn`` / ``F.dropout`` compiled with
   ``backend="compile_rng"`` (the whole user path: wrapper + fused Philox kernel), and
@@ -23,15 +28,32 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
+#: ``--baseline-isa`` values -> ``ATEN_CPU_CAPABILITY`` ("default": ATen's scalar build).
+BASELINE_ISAS = ("avx512", "avx2", "default")
 
-import compile_rng
-from compile_rng import cpu_kernel, ops
-from compile_rng.launch import progress
+
+def _force_torch_isa(argv: list[str]) -> None:
+    """Sets ``ATEN_CPU_CAPABILITY`` from ``--baseline-isa`` before torch is imported: ATen
+    picks its kernels once, at start-up."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--baseline-isa=") else (
+            argv[i + 1] if arg == "--baseline-isa" and i + 1 < len(argv) else None)
+        if value in BASELINE_ISAS:
+            os.environ["ATEN_CPU_CAPABILITY"] = value
+
+
+_force_torch_isa(sys.argv[1:])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import compile_rng  # noqa: E402
+from compile_rng import cpu_kernel, ops  # noqa: E402
+from compile_rng.launch import progress  # noqa: E402
 
 
 def timeit(fn: Callable[[], object], repeat: int) -> float:
@@ -72,6 +94,23 @@ BASELINES = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": 
 STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
 
 
+def torch_isas() -> dict[str, str]:
+    """The instruction sets torch's baselines run: ATen's CPU capability (eager kernels)
+    and the vector ISA Inductor generates C++ for."""
+    from torch._inductor import cpu_vec_isa
+
+    return {"eager": torch.backends.cpu.get_cpu_capability().lower(), "inductor": str(cpu_vec_isa.pick_vec_isa())}
+
+
+def row_isa(case: str, kernel_isa: str, baselines: dict[str, str]) -> str:
+    """The instruction set a case ran with."""
+    if case.startswith("compile_rng"):
+        return kernel_isa
+    if case.startswith("inductor"):
+        return baselines["inductor"]
+    return "-" if case.startswith("memset") else baselines["eager"]
+
+
 def cpu_name() -> str:
     """The CPU model (Linux), else the architecture."""
     try:
@@ -89,6 +128,7 @@ def run(n: int, repeat: int, threads: list[int], isa: str) -> list[dict]:
     os.environ[cpu_kernel.ISA_ENV] = isa
     cpu_kernel.isa()  # a build this CPU cannot run fails here, before any timing
     rows = []
+    baselines = torch_isas()
     for t in threads:
         torch.set_num_threads(t)
         torch._dynamo.reset()  # Inductor bakes the thread count into its kernels
@@ -98,8 +138,8 @@ def run(n: int, repeat: int, threads: list[int], isa: str) -> list[dict]:
             timed[name] = (group, timeit(fn, repeat))
         memset = timed["memset fill_"][1]
         for name, (group, sec) in timed.items():
-            row = {"isa": isa, "threads": t, "case": name, "group": group, "ns_per_elem": sec / n * 1e9,
-                   "x_memset": sec / memset}
+            row = {"isa": isa, "threads": t, "case": name, "group": group, "ran_isa": row_isa(name, isa, baselines),
+                   "ns_per_elem": sec / n * 1e9, "x_memset": sec / memset}
             if group in BASELINES:
                 row["speedup_vs_eager"] = timed[BASELINES[group]][1] / sec
                 row["speedup_vs_inductor"] = timed[STOCK[group]][1] / sec
@@ -109,15 +149,15 @@ def run(n: int, repeat: int, threads: list[int], isa: str) -> list[dict]:
 
 def print_table(rows: list[dict], n: int, cpu: str) -> None:
     print(f"\n{cpu}; {n:,} float32 elements; best of repeats; speedup > 1 means faster than the baseline")
-    header = (f"{'isa':<8} {'threads':>7}  {'case':<30} {'ns/elem':>8} {'x memset':>9} {'vs eager':>9} "
-              f"{'vs inductor':>12}")
+    header = (f"{'kernel':<8} {'threads':>7}  {'case':<30} {'ran as':<12} {'ns/elem':>8} {'x memset':>9} "
+              f"{'vs eager':>9} {'vs inductor':>12}")
     print(header)
     print("-" * len(header))
     for r in rows:
         eager = f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else ""
         ind = f"{r['speedup_vs_inductor']:.2f}x" if "speedup_vs_inductor" in r else ""
-        print(f"{r['isa']:<8} {r['threads']:>7}  {r['case']:<30} {r['ns_per_elem']:>8.2f} {r['x_memset']:>9.1f} "
-              f"{eager:>9} {ind:>12}")
+        print(f"{r['isa']:<8} {r['threads']:>7}  {r['case']:<30} {r['ran_isa']:<12} {r['ns_per_elem']:>8.2f} "
+              f"{r['x_memset']:>9.1f} {eager:>9} {ind:>12}")
 
 
 def main() -> None:
@@ -128,17 +168,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all cores)")
     parser.add_argument("--isa", nargs="*", choices=list(cpu_kernel.ISA_FLAGS),
                         help="CPU kernel builds to measure in turn (default: the one chosen for this CPU)")
+    parser.add_argument("--baseline-isa", choices=BASELINE_ISAS,
+                        help="force eager torch (ATen) and Inductor to this instruction set (sets ATEN_CPU_CAPABILITY "
+                             "before torch starts; default: what the CPU supports, or ATEN_CPU_CAPABILITY if set)")
     args = parser.parse_args()
     threads = args.threads or sorted({1, os.cpu_count() or 1})
     default = cpu_kernel.isa()
     isas = args.isa or [default]
     cpu = cpu_name()
+    baselines = torch_isas()
     print(f"CPU: {cpu}; compile_rng CPU kernel: {default} (this CPU runs {', '.join(cpu_kernel.supported_isas())}); "
           f"measuring {', '.join(isas)}")
+    print(f"torch {torch.__version__}: eager ATen kernels {baselines['eager']}, Inductor C++ {baselines['inductor']}"
+          + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if os.environ.get("ATEN_CPU_CAPABILITY") else ""))
     rows = [row for isa in isas for row in run(args.size, args.repeat, threads, isa)]
     print_table(rows, args.size, cpu)
     with open(args.json, "w") as f:
-        json.dump({"size": args.size, "torch": torch.__version__, "cpu": cpu, "rows": rows}, f, indent=1)
+        json.dump({"size": args.size, "torch": torch.__version__, "cpu": cpu, "torch_isas": baselines, "rows": rows},
+                  f, indent=1)
     print(f"\nwrote {args.json}")
 
 
