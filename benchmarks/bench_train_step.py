@@ -12,7 +12,11 @@ warm-up steps (compilation), the median of ``--repeat`` timed forward + backward
 steps, for each ``--threads`` count; prints seconds per step and the ratio to stock
 Inductor from the same run, and the bytes the forward saves for backward (measured with
 ``saved_tensors_hooks``: stock torch saves dropout masks, compile_rng regenerates them);
-writes JSON.
+writes JSON. Prints the instruction sets in use: compile_rng's CPU kernel build
+(``COMPILE_RNG_CPU_ISA`` forces one), ATen's CPU capability and Inductor's vector ISA;
+``--baseline-isa avx2`` forces torch's side (``ATEN_CPU_CAPABILITY``), so with
+``COMPILE_RNG_CPU_ISA=avx2`` an AVX-512 machine measures what an AVX2-only one runs.
+``--modes`` measures a subset.
 """
 
 from __future__ import annotations
@@ -20,20 +24,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_random import BASELINE_ISAS, torch_isas  # noqa: E402  (its import sets ATEN_CPU_CAPABILITY first)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
+from compile_rng import cpu_kernel  # noqa: E402
 from compile_rng.launch import progress  # noqa: E402
 from train_parity import MODES, Config, _backend, make_model  # noqa: E402
+
+ALL_MODES = (*MODES, "eager", "eager-step")
 
 
 def _saved_bytes() -> tuple[Any, list[int]]:
@@ -112,20 +124,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(ALL_MODES),
+                        help="modes to measure (stock is always measured: the ratios need it)")
+    parser.add_argument("--baseline-isa", choices=BASELINE_ISAS,
+                        help="force eager torch (ATen) and Inductor to this instruction set (ATEN_CPU_CAPABILITY, "
+                             "set before torch starts)")
     args = parser.parse_args(argv)
+    modes = [m for m in ALL_MODES if m in args.modes or m == "stock"]
     c = Config(vocab=512, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq, batch=args.batch)
     rows = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for mode in (*MODES, "eager", "eager-step"):
+        for mode in modes:
             progress(f"bench_train_step: {mode}, {threads} thread(s)")
             times, saved = step_times(mode, c, args.warmup, args.repeat)
             rows[f"{threads}/{mode}"] = {
                 "threads": threads, "mode": mode, "median_s": statistics.median(times), "min_s": min(times),
                 "saved_for_backward_bytes": saved,
             }
+    isas = torch_isas()
     print(f"training step, GPT dim={c.dim} layers={c.layers} seq={c.seq} batch={c.batch}, "
           f"dropout p={c.p} everywhere, torch {torch.__version__}")
+    print(f"  instruction sets: compile_rng CPU kernel {cpu_kernel.isa()}, eager ATen {isas['eager']}, "
+          f"Inductor C++ {isas['inductor']}"
+          + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if os.environ.get("ATEN_CPU_CAPABILITY") else ""))
     print(f"  {'threads':<8}{'mode':<12}{'median s/step':>15}{'min s/step':>13}{'vs stock':>10}{'saved for bw':>15}")
     for r in rows.values():
         r["vs_stock"] = r["median_s"] / rows[f"{r['threads']}/stock"]["median_s"]
@@ -133,11 +155,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['saved_for_backward_bytes'] / 2**20:>12.1f} MiB")
     ops = aten_ops_per_step(c)
     for threads in args.threads:
-        extra = rows[f"{threads}/eager-step"]["median_s"] - rows[f"{threads}/eager"]["median_s"]
-        print(f"  eager code inside compile_rng.step, {threads} thread(s): {extra / ops * 1e6:.1f} us per aten op "
-              f"({ops} aten ops per forward + backward)")
+        if {f"{threads}/eager-step", f"{threads}/eager"} <= set(rows):
+            extra = rows[f"{threads}/eager-step"]["median_s"] - rows[f"{threads}/eager"]["median_s"]
+            print(f"  eager code inside compile_rng.step, {threads} thread(s): {extra / ops * 1e6:.1f} us per aten op "
+                  f"({ops} aten ops per forward + backward)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": c.__dict__, "rows": rows, "aten_ops": ops}, indent=1))
+        Path(args.json).write_text(json.dumps(
+            {"config": c.__dict__, "rows": rows, "aten_ops": ops,
+             "isas": {"compile_rng": cpu_kernel.isa(), **isas}}, indent=1))
 
 
 if __name__ == "__main__":
