@@ -14,9 +14,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -227,9 +229,18 @@ def normal_f32_at(seed: int, base: int, counters: torch.Tensor, mean: float, std
 FAST_UNIFORM, FAST_BERNOULLI, FAST_DROPOUT = 0, 1, 2
 
 
+def _to_float32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, overflowing to infinity), as torch rounds it;
+    struct, not a tensor: this runs on every call of a small op (a tensor costs ~3 us)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def fast_uniform_ok(high: float) -> bool:
     """The fast kernel compares with ``high`` in float32, exact only if it is a float32."""
-    return float(torch.tensor(high, dtype=torch.float32)) == high
+    return _to_float32(high) == high
 
 
 def fast_f32(
@@ -259,7 +270,7 @@ def fast_f32(
         rc = _library().cr_fast_f32(
             op, out.data_ptr(), mask.data_ptr() if mask is not None else None,
             x.data_ptr() if x is not None else None, numel, seed % 2**64, base % 2**64,
-            low, float(torch.tensor(high - low, dtype=torch.float32)), high, threshold, scale,
+            low, _to_float32(high - low), high, threshold, scale,
             torch.get_num_threads(),
         )
         if rc != 0:
