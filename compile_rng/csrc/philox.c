@@ -287,6 +287,15 @@ static inline vf v_select(vi m, vf a, vf b) {
 #endif
 }
 
+/* The same where only the sign bit of each lane of m says (blendv reads nothing else). */
+static inline vf v_select_sign(vi m, vf a, vf b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    return v_select(m, a, b);
+#else
+    return v_select(m >> 31, a, b);
+#endif
+}
+
 static inline void store_f(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
 /* Unsigned w < t per lane. */
@@ -667,13 +676,13 @@ static inline __attribute__((always_inline)) void box_muller(const vu *we, const
         c[k] = 1.0f - 0.5f * rz[k] + rz[k] * rz[k] * c[k];
     }
     /* quadrant q: sin = (s, c, -s, -c)[q & 3], cos = (c, -s, -c, s)[q & 3]; the signs as
-     * bit flips, since a sign flip is what negation is (and cheaper than a select) */
+     * bit flips, since a sign flip is what negation is (and cheaper than a select): sin's
+     * is bit 1 of q, cos's that xor bit 0 (q & 3 = 0, 1, 2, 3 -> cos + - - +) */
     EACH(K) {
         y[k] = y[k] * m[k] + 3.3333331174E-1f;
-        vi odd = (q[k] & 1) != 0;
-        vu sin_sign = ((vu)q[k] & 2u) << 30, cos_sign = ((vu)(q[k] + 1) & 2u) << 30;
-        s_out[k] = (vf)((vu)v_select(odd, c[k], s[k]) ^ sin_sign);
-        c_out[k] = (vf)((vu)v_select(odd, s[k], c[k]) ^ cos_sign);
+        vu odd = (vu)q[k] << 31, sin_sign = ((vu)q[k] << 30) & 0x80000000u;
+        s_out[k] = (vf)((vu)v_select_sign((vi)odd, c[k], s[k]) ^ sin_sign);
+        c_out[k] = (vf)((vu)v_select_sign((vi)odd, s[k], c[k]) ^ (sin_sign ^ odd));
     }
     EACH(K) y[k] = y[k] * m[k] * z[k];
     EACH(K) y[k] = y[k] + -2.12194440e-4f * fe[k];
@@ -695,8 +704,12 @@ typedef struct {
 #define NB (4 * GROUP)
 _Static_assert(NB / WL % BMK == 0, "the word buffers hold whole Box-Muller steps");
 
-static void normal_range(const void *ctx, int64_t begin, int64_t end) {
-    const njob_t *j = (const njob_t *)ctx;
+/* z * std + mean, as the scalar definition rounds it; z * 1 is z, so std == 1 skips it. */
+static inline vf affine(vf z, vf std, vf mean, const int unit_std) { return (unit_std ? z : z * std) + mean; }
+
+/* One instantiation per unit_std (a constant after inlining). */
+static inline __attribute__((always_inline)) void normal_range_op(const njob_t *j, int64_t begin, int64_t end,
+                                                                   const int unit_std) {
     walk_t walk;
     walk_start(&walk, j->base, j->ndim, j->size, j->strides, begin);
     int contiguous = !j->counters;  /* counter = base + i: whole batches of blocks at once */
@@ -732,7 +745,8 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
                 box_muller(we + q, wo + q, radius, c, s, BMK);
                 EACH(BMK) {
                     if (q + k >= groups * NPAIRS) break;
-                    vf zc = radius[k] * c[k] * std + mean, zs = radius[k] * s[k] * std + mean;
+                    vf zc = affine(radius[k] * c[k], std, mean, unit_std);
+                    vf zs = affine(radius[k] * s[k], std, mean, unit_std);
                     float *o = j->out + i + PAIR * (q + k);
                     store_f(o, __builtin_shuffle(zc, zs, UNPACK_LO));
                     store_f(o + WL, __builtin_shuffle(zc, zs, UNPACK_HI));
@@ -770,12 +784,18 @@ static void normal_range(const void *ctx, int64_t begin, int64_t end) {
             EACH(BMK) {
                 int64_t from = (q + k) * WL, left = cnt - from < WL ? cnt - from : WL;
                 if (left <= 0) break;
-                vf z = (radius[k] * v_select(odd[q + k], s[k], c[k])) * std + mean;
+                vf z = affine(radius[k] * v_select(odd[q + k], s[k], c[k]), std, mean, unit_std);
                 __builtin_memcpy(j->out + i + from, &z, (size_t)left * sizeof(float));
             }
         }
         i += cnt;
     }
+}
+
+static void normal_range(const void *ctx, int64_t begin, int64_t end) {
+    const njob_t *j = (const njob_t *)ctx;
+    if (j->std == 1.0f) normal_range_op(j, begin, end, 1);
+    else normal_range_op(j, begin, end, 0);
 }
 
 int cr_normal_f32(float *out, int64_t numel, uint64_t seed, uint64_t base, int ndim, const int64_t *size,
