@@ -37,9 +37,10 @@ REPRESENTATIVE = [
     "random_bits.int64.stream",
 ]
 
-#: Registers per thread above this would cost occupancy worth a look (the largest
-#: variant, float64 normal with libdevice's sin/cos, uses 202-222; float32 ops <= 96).
-REGISTER_BUDGET = 232
+#: Registers per thread above this would cost occupancy worth a look. The largest variant,
+#: float64 normal with libdevice's sin/cos, takes 198-222 (triton 3.8) and 198-228 (3.9);
+#: float32 ops at most 96, integers 108.
+REGISTER_BUDGET = 240
 
 
 def _variant_key(step: tk.Launch) -> tuple:
@@ -139,3 +140,15 @@ def test_every_variant_compiles_without_spills():
     results = gpu_aot.compile_all(names, ARCHS)
     assert len(results) == len(names) * len(ARCHS)
     _check(results)
+
+
+def test_the_table_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "aot_gpu.py"
+    run = subprocess.run([sys.executable, str(script), "--only", "random_bits.int64.stream", "--arch", "90",
+                          "--cache", "--full"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "| random_bits.int64.stream |" in run.stdout and "spill 0" in run.stdout
