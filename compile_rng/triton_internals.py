@@ -36,6 +36,12 @@ def target(arch: int) -> GPUTarget:
     return GPUTarget("cuda", arch, 32)
 
 
+def backend(arch: int) -> Any:
+    """Triton's compiler backend for GPU ``arch``, made without a driver (what a launch's
+    binder and Inductor's kernel cache key ask the active driver for)."""
+    return make_backend(target(arch))
+
+
 def jit_function(kernel: Any) -> JITFunction:
     """``kernel`` as a :class:`JITFunction`. Under ``TRITON_INTERPRET=1`` ``@triton.jit``
     returns an ``InterpretedFunction``, which has no argument binder; rebuilt from its
@@ -77,11 +83,11 @@ def bind(kernel: Any, arch: int, args: tuple, kwargs: Mapping[str, Any]) -> Boun
     calls (3.8, 3.9), so the variant found here is the one a launch would compile. Needs
     no device: the backend is made for a named target."""
     fn = jit_function(kernel)
-    backend = make_backend(target(arch))
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    made = backend(arch)
+    binder = create_function_from_signature(fn.signature, fn.params, made)
     kwargs = dict(kwargs)
     bound_args, specialization, options = binder(*args, **kwargs)
-    opts, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    opts, signature, constexprs, attrs = fn._pack_args(made, kwargs, bound_args, specialization, options)
     return Bound(dict(signature), dict(constexprs), dict(attrs), dict(opts.__dict__))
 
 

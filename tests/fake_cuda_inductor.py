@@ -5,9 +5,10 @@ device for its properties and Triton for its active driver, and neither exists h
 :func:`generated_code` answers those questions for an H100 (sm_90) and returns the
 module Inductor would compile: the wrapper and the Triton kernels' sources.
 
-Every private torch/triton API the tests use for this lives here, each with its reason;
-checked with torch 2.13.0 (triton 3.8.0, a CPU build) and 2.15.0 (triton 3.9.0, a CUDA
-build with no driver). The patches last only for the call.
+Every private torch API the tests use for this lives here, each with its reason (Triton's
+are in :mod:`compile_rng.triton_internals`); checked with torch 2.13.0 (triton 3.8.0, a
+CPU build) and 2.15.0 (triton 3.9.0, a CUDA build with no driver). The patches last only
+for the call.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ H100 = dict(major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor
 @contextlib.contextmanager
 def _an_h100() -> Iterator[None]:
     from torch._dynamo.device_interface import get_interface_for_device
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
+
+    from compile_rng import triton_internals
 
     props = types.SimpleNamespace(name="NVIDIA H100 (fake)", total_memory=80 << 30, gcnArchName="", **H100)
     interface = get_interface_for_device("cuda")
@@ -53,7 +54,7 @@ def _an_h100() -> Iterator[None]:
         # DeviceProperties.create is functools.cache'd on the device: answer directly
         mock.patch.object(DeviceProperties, "create", lambda *a, **k: h100),
         # the kernels' cache key asks Triton's active driver, which needs libcuda
-        mock.patch("torch.utils._triton.triton_backend", lambda: make_backend(GPUTarget("cuda", 90, 32))),
+        mock.patch("torch.utils._triton.triton_backend", lambda: triton_internals.backend(90)),
         mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "fake-h100"),
     ]
     with contextlib.ExitStack() as stack:
