@@ -99,7 +99,9 @@ def torch_isas() -> dict[str, str]:
     and the vector ISA Inductor generates C++ for."""
     from torch._inductor import cpu_vec_isa
 
-    return {"eager": torch.backends.cpu.get_cpu_capability().lower(), "inductor": str(cpu_vec_isa.pick_vec_isa())}
+    first, *extensions = str(cpu_vec_isa.pick_vec_isa()).split()  # e.g. "avx512 avx512_vnni"
+    inductor = first + "".join("+" + ext.split("_")[-1] for ext in extensions)
+    return {"eager": torch.backends.cpu.get_cpu_capability().lower(), "inductor": inductor}
 
 
 def row_isa(case: str, kernel_isa: str, baselines: dict[str, str]) -> str:
