@@ -66,9 +66,9 @@ static inline void walk_next(walk_t *w) {
 }
 
 /* Runs fn(ctx, begin, end) over [0, numel) split across up to nthreads threads
- * (at least min_per_thread elements each); the calling thread takes the first part.
- * Returns 0, or -2 if a thread could not start (then nothing was computed). Every kernel
- * gives the same values however the range is split.
+ * (at least min_per_thread elements each). Returns 0, or -2 if a thread could not start
+ * (then nothing was computed). Every kernel gives the same values however the range is
+ * split.
  *
  * Built with OpenMP (cpu_kernel.py's default), the threads are OpenMP's: the process's one
  * libgomp, which torch's intra-op parallelism and Inductor's kernels use too, so its
@@ -77,6 +77,7 @@ static inline void walk_next(walk_t *w) {
  * spinning on after every torch parallel region (measured: the 2-thread training step
  * slower than the 1-thread one). pthreads are the fallback for compilers without it. */
 typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
+#ifndef _OPENMP
 typedef struct { range_fn fn; const void *ctx; int64_t begin, end; } task_t;
 
 static void *run_task(void *arg) {
@@ -84,6 +85,7 @@ static void *run_task(void *arg) {
     t->fn(t->ctx, t->begin, t->end);
     return NULL;
 }
+#endif
 
 static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, range_fn fn, const void *ctx) {
     if (numel / min_per_thread < nthreads) nthreads = (int)(numel / min_per_thread);
@@ -94,11 +96,12 @@ static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, ran
         return 0;
     }
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nthreads)
-    {
-        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();  /* n < nthreads inside another team */
-        fn(ctx, numel * t / n, numel * (t + 1) / n);
-    }
+    /* Several parts per thread, handed out as threads come free: a thread that loses its
+     * core for a while (a shared machine, a busy sibling) takes fewer parts instead of
+     * holding everyone up at the join. Each part is at least a few microseconds of work. */
+    int64_t parts = numel / (min_per_thread / 4) < 8 * nthreads ? numel / (min_per_thread / 4) : 8 * nthreads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t part = 0; part < parts; part++) fn(ctx, numel * part / parts, numel * (part + 1) / parts);
     return 0;
 #else
     task_t tasks[64];
@@ -113,7 +116,7 @@ static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, ran
         }
         started = t;
     }
-    run_task(&tasks[0]);
+    run_task(&tasks[0]);  /* the calling thread takes the first part */
     for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     return 0;
 #endif
