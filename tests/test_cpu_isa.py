@@ -23,7 +23,7 @@ import torch
 
 from compile_rng import ops, stream
 from compile_rng.cpu_kernel import (
-    COMMON_FLAGS, ISA_ENV, ISA_FLAGS, SOURCE, _load, isa, normal_f32, philox_words, supported_isas,
+    COMMON_FLAGS, ISA_ENV, ISA_FLAGS, SOURCE, _compiler, _load, isa, normal_f32, philox_words, supported_isas,
 )
 
 SUPPORTED = supported_isas()
@@ -173,6 +173,34 @@ def test_every_build_gives_the_same_bits(monkeypatch, threads):
     keep = results[first][4]
     assert drop_special[~keep & special.isinf()].isnan().all()
     assert (drop_special[~keep & (special == 0)].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).all()
+
+
+def test_pthread_fallback_gives_the_same_bits(tmp_path, monkeypatch):
+    # builds without OpenMP (compilers that lack it) split the work over pthreads: the
+    # same values, whatever the split
+    import ctypes
+
+    so = tmp_path / "philox-pthreads.so"
+    subprocess.run([_compiler(), *COMMON_FLAGS, *ISA_FLAGS[SUPPORTED[0]], str(SOURCE), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    n, base = (1 << 18) + 37, 2**64 - 4099
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv(ISA_ENV, SUPPORTED[0])  # the OpenMP build of the same instruction set
+    want_u = ops.uniform(ops.make_key(SEED, base), 0, [n], [1], 0.0, 1.0, torch.float32)
+    want_d, want_m = ops.dropout(ops.make_key(SEED, base), 0, x, [1], P_DROP)
+    want_z = normal_f32(SEED, base, [n], [1], 0.0, 1.0)
+    u, d, z = torch.empty(n), torch.empty(n), torch.empty(n)
+    m = torch.empty(n, dtype=torch.bool)
+    f32, u64, i64 = ctypes.c_float, ctypes.c_uint64, ctypes.c_int64
+    lib.cr_fast_f32.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, i64, u64, u64, f32, f32, f32, u64, f32, ctypes.c_int]
+    lib.cr_normal_f32.argtypes = [ctypes.c_void_p, i64, u64, u64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  f32, f32, ctypes.c_int]
+    assert lib.cr_fast_f32(0, u.data_ptr(), None, None, n, SEED, base, 0.0, 1.0, 1.0, 0, 0.0, 2) == 0
+    assert lib.cr_fast_f32(2, d.data_ptr(), m.data_ptr(), x.data_ptr(), n, SEED, base, 0.0, 1.0, 1.0,
+                           stream.threshold32(1 - P_DROP), stream.dropout_scale(P_DROP, torch.float32), 2) == 0
+    size, stride = (ctypes.c_int64 * 1)(n), (ctypes.c_int64 * 1)(1)
+    assert lib.cr_normal_f32(z.data_ptr(), n, SEED, base, 1, size, stride, 0.0, 1.0, 2) == 0
+    assert torch.equal(u, want_u) and torch.equal(d, want_d) and torch.equal(m, want_m) and torch.equal(z, want_z)
 
 
 # --- aarch64 NEON, cross-compiled and run under qemu-user -----------------------------
