@@ -74,8 +74,9 @@ static inline void walk_next(walk_t *w) {
  * libgomp, which torch's intra-op parallelism and Inductor's kernels use too, so its
  * workers are already running. Threads of our own would be created per call and, on a
  * machine with as many cores as threads, wait for cores that libgomp's workers keep
- * spinning on after every torch parallel region (measured: the 2-thread training step
- * slower than the 1-thread one). pthreads are the fallback for compilers without it. */
+ * spinning on after every torch parallel region (measured, 2-core Zen 4, GPT training
+ * step at 2 threads: 0.38-0.42 s/step with per-call pthreads, 0.32-0.33 with OpenMP).
+ * pthreads are the fallback for compilers without it. */
 typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
 #ifndef _OPENMP
 typedef struct { range_fn fn; const void *ctx; int64_t begin, end; } task_t;
