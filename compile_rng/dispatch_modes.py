@@ -244,13 +244,6 @@ def _draw_pieces(func: OpOverload, kw: dict, key, pieces: Pieces, size: list, dt
     """``func`` drawn piece by piece on the ``narrow``s of its output (and of the tensor
     arguments that span it) along ``pieces.dim``: functional results are concatenated,
     an in-place op writes each piece into its narrow of the target."""
-    if _counter_log.get() is not None:
-        # trunc_normal_ redraws rejected elements at one affine window's counters.
-        raise NotImplementedError(
-            f"compile_rng: {func} on a shard whose counters are affine only piecewise (an uneven "
-            "_StridedShard) inside recorded_counters (trunc_normal_'s redraws); use a shape the "
-            "mesh divides evenly or tracker mode for this tensor"
-        )
     dim = pieces.dim
     parts = []
     for start, length, offset, strides in pieces.pieces:
@@ -260,6 +253,10 @@ def _draw_pieces(func: OpOverload, kw: dict, key, pieces: Pieces, size: list, dt
         parts.append(_draw(func, piece_kw, key, offset, strides, piece_size, dtype))
     if func is not INPLACE.get(func, func):
         return kw["input"]
+    return _concat(parts, dim)
+
+
+def _concat(parts: list, dim: int):
     if isinstance(parts[0], tuple):  # native_dropout: (output, mask)
         return tuple(torch.cat(column, dim) for column in zip(*parts))
     return torch.cat(parts, dim)

@@ -71,6 +71,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "symbolic_mesh_coordinate",
     "traced_code_name",
     "traced_graph",
+    "traced_mesh_coordinate_of_rank",
     "tree_leaves",
     "tree_map",
 ]
@@ -401,6 +402,17 @@ def mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     """``rank``'s coordinate in ``mesh``, computed as the runtime op does (a mesh object
     cached from another process-group incarnation must not leak its coordinate)."""
     return type(mesh)._compute_coordinates_from_mesh(mesh.mesh, rank)
+
+
+def traced_mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
+    """:func:`mesh_coordinate_of_rank` while AOTAutograd traces: the mesh is then a
+    ``FakeScriptObject`` holding the real one (``real_obj``; a plain make_fx trace
+    keeps the real mesh), and the fake and proxy modes are active - the real mesh is
+    read without them."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return mesh_coordinate_of_rank(getattr(mesh, "real_obj", mesh), rank)
 
 
 def local_tensor_mode_enabled() -> bool:

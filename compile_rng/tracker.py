@@ -49,6 +49,7 @@ from .torch_internals import (
     rng_tracker,
     symbolic_mesh_coordinate,
     traced_graph,
+    traced_mesh_coordinate_of_rank,
 )
 
 aten = torch.ops.aten
@@ -197,14 +198,20 @@ class Tracker(OffsetBasedRNGTracker):
 
         def counters(func, local_shape, _device):
             layout = sharding.layout(mode, coords, local_shape)
+            if tracing and isinstance(layout, Pieces):
+                # An uneven _StridedShard: this rank's runs of rows, for its own coordinate.
+                # Their bounds are nested min/max of the runtime coordinate, which Inductor's
+                # index analysis cannot digest; as constants the graph is this rank's (the
+                # caches key DTensor graphs by rank: plan_store.process_context).
+                rank_coords = traced_mesh_coordinate_of_rank(spec.mesh, torch.distributed.get_rank())
+                layout = sharding.layout(mode, rank_coords, local_shape)
             if tracing:
-                if isinstance(layout, Pieces):
-                    raise _pieces_in_graph(func, sharding)
-                offset, strides = layout
+                offset, strides = (layout, None) if isinstance(layout, Pieces) else layout
                 site_id = next(_site_ids)  # distinct args: no pass may merge two sites
                 key = pending_key(site_id, device)
+                start = offset.pieces[0][2] if isinstance(offset, Pieces) else offset  # reported: the first piece's
                 _traced_node(site_id).meta[SITE] = Site(
-                    str(func), mode, sharding, offset, sharding.advance(), tuple(coords), spec.mesh
+                    str(func), mode, sharding, start, sharding.advance(), tuple(coords), spec.mesh
                 )
                 return key, offset, strides
             advance = int(sharding.advance())
@@ -235,17 +242,6 @@ class Tracker(OffsetBasedRNGTracker):
 
     def _manual_seed(self, parallel_seed: int) -> None:
         state.manual_seed(parallel_seed)
-
-
-def _pieces_in_graph(func: Any, sharding: Sharding) -> NotImplementedError:
-    """The error for a traced op whose invariant counters are affine only piecewise."""
-    return NotImplementedError(
-        f"compile_rng: {func} in a compiled graph on a DTensor of global shape {sharding.global_shape} "
-        f"with placements {sharding.placements}: its invariant counters are affine only piecewise "
-        "(an uneven _StridedShard, FSDP2 x TP on a dim the mesh does not divide), which compiled graphs "
-        "do not draw yet; run it eagerly (@compile_rng.init, whose default compile=False does) or use "
-        "a shape the mesh divides evenly"
-    )
 
 
 def serves(mesh: Any) -> bool:

@@ -107,9 +107,10 @@ def _narrow_loop(tensor: torch.Tensor, mean: float, std: float, a: float, b: flo
     return tensor
 
 
-def _redraw_loop(tensor: torch.Tensor, mean: float, std: float, lo: float, hi: float) -> torch.Tensor:
-    """torch's loop, with its stop test reduced over the DTensor's mesh (any dtype)."""
-    result = tensor.normal_(mean, std)
+def _redraw_loop(tensor: torch.Tensor, mean: float, std: float, lo: float, hi: float, drawn: bool = False) -> torch.Tensor:
+    """torch's loop, with its stop test reduced over the DTensor's mesh (any dtype);
+    ``drawn``: the first ``normal_`` has run already."""
+    result = tensor if drawn else tensor.normal_(mean, std)
     while True:
         mask = (result < lo) | (result > hi)
         if not _any(mask, tensor):
@@ -164,6 +165,9 @@ def trunc_normal_(
             return _redraw_loop(tensor, mean, std, lo, hi)
         with dispatch_modes.recorded_counters() as log:
             tensor.normal_(mean, std)
+        if len(log) != 1:
+            # a shard drawn piecewise (uneven _StridedShard) has no one window to redraw at
+            return _redraw_loop(tensor, mean, std, lo, hi, drawn=True)
         (draw,) = log
         seed, base = (int(v) % state.UINT64 for v in draw.key.tolist())
         advance = (state.get_state(draw.key.device)[1] - base) % state.UINT64

@@ -260,15 +260,17 @@ def _check_plain(node: fx.Node, key: fx.Node) -> None:
 
 
 def _resolve_pending(node: fx.Node, key: fx.Node, base: Any) -> fx.Node:
-    """Point the functional op that uses ``pending_key`` ``node`` at the real key."""
-    (user,) = node.users
-    offset = user.args[1]
-    if base != 0:
-        with node.graph.inserting_before(user):
-            offset = emit_binary(node.graph, operator.add, base, offset)
-    user.args = (key, offset, *user.args[2:])
+    """Point the functional ops that use ``pending_key`` ``node`` at the real key (one op,
+    or one per piece of a shard drawn piecewise); returns the first."""
+    users = list(node.users)
+    for user in users:
+        offset = user.args[1]
+        if base != 0:
+            with node.graph.inserting_before(user):
+                offset = emit_binary(node.graph, operator.add, base, offset)
+        user.args = (key, offset, *user.args[2:])
     node.graph.erase_node(node)
-    return user
+    return users[0]
 
 
 def _dropout_backward_from_stream(graph: fx.Graph) -> None:
