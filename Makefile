@@ -8,7 +8,7 @@ TRITON ?= 3.8.0
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-slow test-all test-gpu bench load clean
+.PHONY: setup demo test test-slow test-all test-gpu aot-gpu bench load clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,13 @@ test-all: setup
 # On a CUDA machine: the GPU suite, then the kernel tests (they run on the GPU there).
 test-gpu: setup
 	$(VENV)/bin/pytest -q tests/gpu tests/test_triton_kernels.py tests/test_stream_conformance.py
+
+# No GPU needed: every Triton kernel variant compiled ahead of time for sm_80/90/100
+# (registers, spills, compile time), then sm_90 instructions per element and the H100
+# prediction of the README's GPU section.
+aot-gpu: setup
+	$(PY) benchmarks/aot_gpu.py
+	$(PY) benchmarks/aot_gpu.py --per-element
 
 bench: setup
 	$(PY) benchmarks/bench_import.py

@@ -44,6 +44,15 @@ def _force_torch_isa(argv: list[str]) -> None:
             argv[i + 1] if arg == "--baseline-isa" and i + 1 < len(argv) else None)
         if value in BASELINE_ISAS:
             os.environ["ATEN_CPU_CAPABILITY"] = value
+            # Inductor's caches do not key on ATEN_CPU_CAPABILITY (torch 2.13): a kernel
+            # cached under one capability and loaded under another aborted here with
+            # "corrupted size vs. prev_size". Each forced capability gets its own cache.
+            if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+                import getpass
+                import tempfile
+
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+                    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_aten_{value}")
 
 
 _force_torch_isa(sys.argv[1:])
@@ -54,6 +63,7 @@ import torch.nn.functional as F  # noqa: E402
 import compile_rng  # noqa: E402
 from compile_rng import cpu_kernel, ops  # noqa: E402
 from compile_rng.launch import progress  # noqa: E402
+from compile_rng.torch_internals import inductor_vector_isa  # noqa: E402
 
 
 def timeit(fn: Callable[[], object], repeat: int) -> float:
@@ -97,11 +107,8 @@ STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dr
 def torch_isas() -> dict[str, str]:
     """The instruction sets torch's baselines run: ATen's CPU capability (eager kernels)
     and the vector ISA Inductor generates C++ for."""
-    from torch._inductor import cpu_vec_isa
-
-    first, *extensions = str(cpu_vec_isa.pick_vec_isa()).split()  # e.g. "avx512 avx512_vnni"
-    inductor = first + "".join("+" + ext.split("_")[-1] for ext in extensions)
-    return {"eager": torch.backends.cpu.get_cpu_capability().lower(), "inductor": inductor}
+    return {"eager": torch.backends.cpu.get_cpu_capability().lower(),
+            "inductor": inductor_vector_isa() or "none"}
 
 
 def row_isa(case: str, kernel_isa: str, baselines: dict[str, str]) -> str:

@@ -4,7 +4,9 @@ Fused vs. extern: a large float32 uniform/bernoulli/dropout over a contiguous st
 becomes a call to the eager C kernel instead (``cpu_kernel.fast_f32``), which uses all
 four words of each Philox block and vectorizes across blocks; measured here it is about
 2x faster than the fused loop, which recomputes the whole block for every element in
-emulated 64-bit arithmetic. Small or strided ones stay fused with their neighbours.
+emulated 64-bit arithmetic; without AVX-512 (Inductor at AVX2, NEON) the fused loop is
+25-40x slower than the kernel, so there all but tiny streams call it
+(:func:`extern_min_numel`). Small or strided ones stay fused with their neighbours.
 Both give the same bits (integer-derived values, same float ops), so the choice never
 changes a result. ``normal`` has no lowering: its transcendental functions must come
 from one implementation (the C kernel, or torch's ops for float64) whatever the size or
@@ -43,7 +45,7 @@ import sympy
 import torch
 
 from . import stream
-from .torch_internals import OpOverload, fallback_handler, register_lowering
+from .torch_internals import OpOverload, fallback_handler, inductor_vector_isa, register_lowering
 from .torch_internals import inductor_ir as ir
 from .torch_internals import inductor_ops as ops
 
@@ -135,8 +137,20 @@ def _register(op: OpOverload) -> Callable:
     return register
 
 
-#: Streams at least this long go to the C kernel (see the module docstring).
+#: Streams at least this long go to the C kernel when Inductor vectorizes for AVX-512
+#: (see the module docstring).
 EXTERN_MIN_NUMEL = 1 << 18
+#: ... and elsewhere (AVX2, NEON, no vector ISA), where the fused loop's 64-bit multiplies
+#: have no vector instruction: with Inductor at AVX2 it ran 31-41 ns/element from 1K to
+#: 256K elements, against the kernel call's ~40 us (the custom op's Python layers, on a
+#: 2-core EPYC) plus ~1 ns/element; the two cross near 1.3K elements
+#: (``benchmarks/bench_random.py --isa avx2 --baseline-isa avx2 --size N``).
+EXTERN_MIN_NUMEL_NARROW = 1 << 11
+
+
+def extern_min_numel() -> int:
+    """The stream length from which a float32 op calls the C kernel in CPU graphs."""
+    return EXTERN_MIN_NUMEL if inductor_vector_isa() == "avx512" else EXTERN_MIN_NUMEL_NARROW
 
 
 def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype) -> bool:
@@ -147,7 +161,7 @@ def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dty
     numel = 1
     for s in size:
         numel *= int(s)
-    return numel >= EXTERN_MIN_NUMEL and _contiguous_stream([int(s) for s in size], [int(s) for s in strides])
+    return numel >= extern_min_numel() and _contiguous_stream([int(s) for s in size], [int(s) for s in strides])
 
 
 def _extern(op: OpOverload, *args: Any) -> Any:

@@ -54,6 +54,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "inductor_cache_dir",
     "inductor_compile",
     "inductor_decompositions",
+    "inductor_vector_isa",
     "local_tensor",
     "local_tensor_mode_enabled",
     "mark_sourceless_input",
@@ -212,6 +213,16 @@ def register_device_mesh_ops() -> None:
     is not traced, and calling it would fail on an unregistered op."""
     if torch.distributed.is_available():
         importlib.import_module("torch.distributed._ops.device_mesh")
+
+
+def inductor_vector_isa() -> str:
+    """The vector instruction set Inductor generates CPU C++ for, e.g. ``"avx512"``,
+    ``"avx2"``, ``"neon"``, ``""`` for none (its ``pick_vec_isa``, which honours
+    ``ATEN_CPU_CAPABILITY``): the lowerings pick fused loops or the C kernel by it."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return str(isa).split(" ")[0] if isa else ""  # an InvalidVecISA is falsy
 
 
 def inductor_decompositions() -> dict:

@@ -56,6 +56,9 @@ def _an_h100() -> Iterator[None]:
         # the kernels' cache key asks Triton's active driver, which needs libcuda
         mock.patch("torch.utils._triton.triton_backend", lambda: triton_internals.backend(90)),
         mock.patch("torch.utils._triton.triton_hash_with_backend", lambda: "fake-h100"),
+        # codegen loads each new kernel's module, whose first line selects the GPU driver
+        # (libcuda); a kernel already in Inductor's cache skipped it, so a fresh cache failed
+        mock.patch("torch._inductor.runtime.triton_helpers.set_driver_to_gpu", lambda: None),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:

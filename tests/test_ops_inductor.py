@@ -96,7 +96,7 @@ def test_large_streams_take_the_c_kernel_with_the_same_bits():
     from compile_rng.cpu_kernel import philox_words
     from compile_rng.lowering import EXTERN_MIN_NUMEL
 
-    n = EXTERN_MIN_NUMEL + 13
+    n = EXTERN_MIN_NUMEL + 13  # the larger threshold: the C kernel whatever Inductor's ISA
     seed, base = 0xDEADBEEF12345678, 2**64 - 7  # crosses the counter wrap
     key = ops.make_key(seed, base)
     x = torch.randn(n)
@@ -118,3 +118,27 @@ def test_large_streams_take_the_c_kernel_with_the_same_bits():
     )
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("isa, extern", [("avx512", False), ("avx2", True)])
+def test_without_avx512_shorter_streams_take_the_c_kernel(monkeypatch, isa, extern):
+    """The fused loop's 64-bit multiplies have no AVX2/NEON instruction: there, streams
+    from EXTERN_MIN_NUMEL_NARROW call the C kernel; AVX-512 keeps them fused. Same bits
+    either way."""
+    import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
+
+    from compile_rng import lowering
+    from compile_rng.cpu_kernel import fast_f32
+
+    calls = []
+    monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)
+    monkeypatch.setattr(ops, "fast_f32", lambda *a, **k: calls.append(1) or fast_f32(*a, **k))
+    n = lowering.EXTERN_MIN_NUMEL_NARROW + 13
+    key = ops.make_key(7, 2**32 - 3)
+    fn = lambda key: ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)  # noqa: E731
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        got = torch.compile(fn, backend="inductor", fullgraph=True)(key)
+    assert bool(calls) == extern
+    calls.clear()
+    assert torch.equal(got, fn(key)) and calls  # the eager op: the C kernel

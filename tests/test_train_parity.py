@@ -8,7 +8,10 @@ TP=2 (4 ranks), 2 microbatches of gradient accumulation:
   the single process's: the dropped elements bitwise, the values to float64 rounding
   (TP changes the matmuls' summation order); DDP=2 also under activation checkpointing;
 * every step's float64 loss is within relative 1e-9 of the single process in invariant
-  mode, while tracker mode and stock torch differ by more than 1e-3 by step 2.
+  mode; in CONTRASTED configurations tracker mode and stock torch, trained alongside,
+  differ by more than 1e-3 by step 2 (the comparison can fail: one data-parallel and
+  one tensor-parallel configuration show it, the others train invariant mode only to
+  keep the slow suite inside CI's budget).
 """
 
 import contextlib
@@ -37,6 +40,7 @@ CONFIGS = ["accum=2", "DDP=2", "FSDP2=2", "TP=2+SP", "FSDP2=2xTP=2"]
 # activations of rows over dp with the sequence sharded over tp bitwise (fake ranks).
 NO_PROBE = {"FSDP2=2xTP=2"}
 CHECKPOINTED = "DDP=2"
+CONTRASTED = {"DDP=2", "TP=2+SP"}
 
 
 def _probes(block, checkpointed: bool):
@@ -88,7 +92,8 @@ def probe(name: str, rank: int, out_dir: str) -> None:
 def _rank_body(rank: int, world: int, name: str, out_dir: str) -> None:
     if name not in NO_PROBE:
         probe(name, rank, out_dir)
-    losses = {mode: tp.train(name, mode, STEPS, torch.float64, rank=rank) for mode in tp.MODES}
+    modes = tp.MODES if name in CONTRASTED | {"single"} else ("invariant",)
+    losses = {mode: tp.train(name, mode, STEPS, torch.float64, rank=rank) for mode in modes}
     if rank == 0:
         torch.save(losses, os.path.join(out_dir, "losses.pt"))
 
@@ -139,6 +144,6 @@ def test_invariant_training_matches_the_single_process(name, single, tmp_path):
         assert "attn (checkpoint)" in acts and torch.equal(acts["attn (checkpoint)"], acts["attn"])
     rel = tp.relative_differences(losses["invariant"], ref_losses["invariant"])
     assert max(rel) < 1e-9, rel
-    for mode in ("tracker", "stock"):
+    for mode in ("tracker", "stock") if name in CONTRASTED else ():
         rel = tp.relative_differences(losses[mode], ref_losses[mode])
         assert max(rel[:2]) > 1e-3, (mode, rel)
