@@ -126,13 +126,35 @@ def test_heads_sharded_over_tp(mode):
     assert len(be.plans) == 1
 
 
-def test_fused_attention_with_dropout_names_the_fix():
-    # The CUDA kernels draw their own masks; the error says to use the math backend.
-    with pytest.raises(NotImplementedError, match="math backend"):
-        raise compile_rng.random_ops.unsupported(torch.ops.aten._scaled_dot_product_efficient_attention.default)
-    assert not compile_rng.random_ops.draws(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, {"dropout_p": 0.0}
-    )
-    assert compile_rng.random_ops.draws(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, {"dropout_p": 0.1}
-    )
+FUSED_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _fused(q, k, v, p):
+    return FUSED_CPU(q, k, v, dropout_p=p)[0]
+
+
+@pytest.mark.parametrize("where", ["compiled", "eager_stream"])
+def test_fused_attention_with_dropout_names_the_fix(where):
+    """The fused CPU kernel called with ``dropout_p > 0`` would draw its own mask from
+    torch's generator: the graph pass (compiled) and the dispatch mode (eager stream)
+    refuse it with an error naming the op and the math backend. At ``dropout_p=0`` the
+    same kernel draws nothing and runs untouched."""
+    q, k, v = inputs(torch.float32)
+    compile_rng.manual_seed(SEED)
+    if where == "compiled":
+        torch._dynamo.reset()
+        run = torch.compile(_fused, backend=compile_rng.backend(inner="aot_eager"))
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="math backend") as info:
+            run(q, k, v, 0.1)
+        assert isinstance(info.value.inner_exception, NotImplementedError)
+        assert str(FUSED_CPU) in str(info.value.inner_exception)
+        torch._dynamo.reset()
+        run = torch.compile(_fused, backend=compile_rng.backend(inner="aot_eager"))
+        assert torch.equal(run(q, k, v, 0.0), _fused(q, k, v, 0.0))
+    else:
+        with compile_rng.dispatch_modes.eager_stream():
+            with pytest.raises(NotImplementedError, match="math backend") as info:
+                _fused(q, k, v, 0.1)
+            assert str(FUSED_CPU) in str(info.value)
+            assert torch.equal(_fused(q, k, v, 0.0), FUSED_CPU(q, k, v)[0])
+    assert compile_rng.get_state() == (SEED, 0)  # nothing drawn either way
