@@ -18,7 +18,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed.tensor._random as dtensor_random
-from dtensor_reference import ceil4, fake_rank, local_zeros
+from dtensor_reference import ceil4, counters, fake_rank, local_zeros, uniform
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -26,12 +26,21 @@ import compile_rng
 from compile_rng import tracker
 
 
-def test_tracker_is_an_offset_based_tracker_after_import_and_seeding():
-    torch.manual_seed(1)
-    assert isinstance(dtensor_random._rng_tracker, dtensor_random.OffsetBasedRNGTracker)
-    compile_rng.manual_seed(2)
-    assert isinstance(dtensor_random._rng_tracker, dtensor_random.OffsetBasedRNGTracker)
+@pytest.mark.parametrize("seed_with", ["torch.manual_seed", "compile_rng.manual_seed"])
+def test_seeding_keeps_compile_rng_serving_dtensor_dispatch(seed_with):
+    """Whichever seeding a program calls, DTensor's dispatch still finds compile_rng's
+    tracker: a random op on a CPU mesh draws the stream's values at torch's tracker
+    offsets and advances the state by ``ceil4(numel(global))`` (stock torch 2.13 would
+    build its own tracker here and refuse the CPU device)."""
+    seed = 6
+    {"torch.manual_seed": torch.manual_seed, "compile_rng.manual_seed": compile_rng.manual_seed}[seed_with](seed)
+    assert compile_rng.get_state() == (seed, 0)
     assert dtensor_random._rng_tracker.distribute_region_enabled
+    with fake_rank(1, 2):
+        x = local_zeros((5, 3), DeviceMesh("cpu", [0, 1]), [Shard(0)])
+        y = torch.rand_like(x)
+        assert torch.equal(y.to_local(), uniform(seed, counters(x, 0), x.to_local().shape))
+    assert compile_rng.get_state() == (seed, ceil4(5 * 3))
 
 
 # (global shape, placements, rank) -> torch's (start, end) derived by hand:
@@ -53,9 +62,10 @@ def test_accelerator_branch_gets_torchs_offsets_on_meshes_compile_rng_does_not_s
             mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(),
         )._spec
         assert not tracker.serves(mesh)
-        rng_tracker = dtensor_random._rng_tracker
-        assert isinstance(rng_tracker, dtensor_random.OffsetBasedRNGTracker)  # the CUDA branch's assert
-        assert tuple(int(v) for v in rng_tracker._compute_rng_offsets(spec)) == expected
+        torch.manual_seed(1)  # seeding leaves the offsets of such a mesh as torch's
+        # the method DTensor's accelerator branch calls (after asserting the tracker is an
+        # OffsetBasedRNGTracker): torch's (start, end) for this spec
+        assert tuple(int(v) for v in dtensor_random._rng_tracker._compute_rng_offsets(spec)) == expected
 
 
 class _RecordingTracker:
@@ -130,8 +140,4 @@ def test_op_handlers_still_serve_cpu_meshes():
         t = local_zeros((4, 3), mesh, [Shard(0)])
         compile_rng.manual_seed(9)
         t.exponential_()
-        assert compile_rng.get_state() == (9, 12)  # compile_rng's stream advanced by ceil4(12)
-
-
-def test_tracker_module_keeps_the_fallback_type():
-    assert issubclass(tracker.Tracker, dtensor_random.OffsetBasedRNGTracker)
+        assert compile_rng.get_state() == (9, ceil4(4 * 3))  # compile_rng's stream advanced by ceil4(numel(global))
