@@ -10,20 +10,80 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
+def _table(stdout: str) -> list[dict]:
+    """The rows of bench_random's printed table (fixed-width columns; see its print_table)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("kernel ")) + 2  # header, dashes
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        isa, threads = line[:18].split()
+        ran_isa, ns, x_memset, *ratios = line[48:].split()
+        rows.append({"isa": isa, "threads": int(threads), "case": line[18:48].strip(), "ran_isa": ran_isa,
+                     "ns_per_elem": ns, "x_memset": x_memset, "ratios": ratios})
+    return rows
+
+
 def test_bench_random_smoke(tmp_path):
+    import torch
+
+    from compile_rng import cpu_kernel
+
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_random.py"), "--size", "65536", "--repeat", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "bench_random.py"), "--size", "4096", "--repeat", "1",
          "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    cases = {r["case"] for r in rows}
-    assert {"memset fill_", "eager uniform_", "inductor torch.rand", "compile_rng torch.rand",
-            "compile_rng torch.randn", "compile_rng dropout"} <= cases
-    assert all(r["ns_per_elem"] > 0 for r in rows)
-    assert "speedup_vs_eager" in run.stdout or "vs eager" in run.stdout
+    result = json.loads(out.read_text())
+    rows = {r["case"]: r for r in result["rows"]}
+    assert len(rows) == len(result["rows"])  # one row per case (one ISA, one thread count)
+    groups: dict[str, list] = {}
+    for r in rows.values():
+        groups.setdefault(r["group"], []).append(r["case"])
+    baseline = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout"}
+    stock = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
+    assert groups.pop("floor") == ["memset fill_"]
+    # every group holds its eager baseline, Inductor's stock op and compile_rng's op
+    assert set(groups) == set(baseline)
+    for group, members in groups.items():
+        assert baseline[group] in members and stock[group] in members, group
+        assert any(case.startswith("compile_rng ") for case in members), group
+    assert {"compile_rng torch.rand", "compile_rng torch.randn", "compile_rng dropout"} <= set(rows)
+
+    # the ISA lines name the kernel build this process picks and torch's own capabilities
+    kernel_isa = cpu_kernel.isa()
+    assert run.stdout.startswith("CPU: ") and f"compile_rng CPU kernel: {kernel_isa} (" in run.stdout.splitlines()[0]
+    eager_isa = torch.backends.cpu.get_cpu_capability().lower()
+    assert result["torch_isas"]["eager"] == eager_isa
+    assert f"eager ATen kernels {eager_isa}, Inductor C++ {result['torch_isas']['inductor']}" in run.stdout
+
+    # each ratio is the quotient of the two times it compares (ns/elem share the size)
+    ns = {case: r["ns_per_elem"] for case, r in rows.items()}
+    for case, r in rows.items():
+        assert r["threads"] == 1 and r["isa"] == kernel_isa and ns[case] > 0
+        assert r["x_memset"] == pytest.approx(ns[case] / ns["memset fill_"], rel=1e-9)
+        if r["group"] == "floor":
+            assert r["ran_isa"] == "-" and "speedup_vs_eager" not in r
+            continue
+        assert r["speedup_vs_eager"] == pytest.approx(ns[baseline[r["group"]]] / ns[case], rel=1e-9)
+        assert r["speedup_vs_inductor"] == pytest.approx(ns[stock[r["group"]]] / ns[case], rel=1e-9)
+        expected_isa = {"compile_rng": kernel_isa, "inductor": result["torch_isas"]["inductor"]}.get(
+            case.split()[0], eager_isa)
+        assert r["ran_isa"] == expected_isa, case
+    assert rows["eager uniform_"]["speedup_vs_eager"] == 1.0
+
+    # the printed table is the JSON's rows, in order, with the same rounded figures
+    table = _table(run.stdout)
+    assert [t["case"] for t in table] == [r["case"] for r in result["rows"]]
+    for t in table:
+        r = rows[t["case"]]
+        assert (t["isa"], t["threads"], t["ran_isa"]) == (r["isa"], r["threads"], r["ran_isa"])
+        assert (t["ns_per_elem"], t["x_memset"]) == (f"{r['ns_per_elem']:.2f}", f"{r['x_memset']:.1f}")
+        expected = [f"{r[k]:.2f}x" for k in ("speedup_vs_eager", "speedup_vs_inductor") if k in r]
+        assert t["ratios"] == expected, t["case"]
 
 
 SMALL_MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--hidden", "96", "--vocab", "256", "--repeat", "1"]
