@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from dtensor_reference import ceil4
 
 import compile_rng
 from compile_rng.launch import spawn
@@ -29,11 +30,12 @@ def test_exception_inside_a_compiled_call_consumes_the_whole_graph():
     compiled = torch.compile(fn, backend=compile_rng.backend(inner="aot_eager"))
     compile_rng.manual_seed(1)
     compiled(torch.ones(4), torch.tensor([0, 1, 2]))
-    assert compile_rng.get_state() == (1, 12)
+    graph_advance = ceil4(3) + ceil4(5)  # rand(3), rand(5)
+    assert compile_rng.get_state() == (1, graph_advance)
     with pytest.raises(IndexError):
         compiled(torch.ones(4), torch.tensor([0, 1, 9]))  # fails inside the graph, after rand(3)
-    # documented: a call reserves its graph's counters before running, so it consumed all 12
-    assert compile_rng.get_state() == (1, 24)
+    # documented: a call reserves its graph's counters before running, so it consumed them all
+    assert compile_rng.get_state() == (1, 2 * graph_advance)
 
 
 def test_graph_breaks_give_the_values_of_one_graph_for_dtensors():
@@ -56,7 +58,8 @@ def test_graph_breaks_give_the_values_of_one_graph_for_dtensors():
         for fn in (one_graph, with_break):
             compile_rng.manual_seed(3)
             outs.append((torch.compile(fn, backend=compile_rng.backend(inner="aot_eager"))(local_zeros((4, 6), mesh, [Shard(0)])).to_local(), compile_rng.get_state()))
-    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == (3, 48)
+    # rand_like and dropout each reserve ceil4(numel(global)) on every rank, in either split
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == (3, 2 * ceil4(4 * 6))
 
 
 def _split_program(x):
@@ -84,17 +87,21 @@ def test_eager_segments_of_compile_rng_compile_stay_on_the_stream():
                 fn = compile_rng.compile(_split_program, inner="aot_eager")
             outs = fn(x)
         runs.append((outs, compile_rng.get_state()))
-    n = 42
-    assert runs[0][1] == runs[1][1] == runs[2][1] == (11, 8 + 3 * 44 + 4)
+    # program order of the draws and what each reserves (contract: ceil4(numel) per op):
+    # rand(5), random_ on x, rand_like(x) and dropout(x + 1) in the disabled function, randn(3)
+    n = x.numel()
+    advances = [ceil4(5), ceil4(n), ceil4(n), ceil4(n), ceil4(3)]
+    bases = [sum(advances[:k]) for k in range(len(advances))]  # 0, 8, 52, 96, 140
+    assert runs[0][1] == runs[1][1] == runs[2][1] == (11, sum(advances))
     for outs, _ in runs[1:]:
         for got, want in zip(outs, runs[0][0]):
             assert torch.equal(got, want)
-    # independent reference: the scalar stream at the program-order bases 0, 8, 52, 96, 140
+    # independent reference: the scalar stream at those program-order bases
     a, b, c, _ = runs[1][0]
-    assert a.tolist() == [ref.uniform01(11, 8 * 0 + i, "float32") for i in range(5)]
-    assert b.flatten().tolist() == [float(ref.randint(11, 8 + i, 0, 100)) for i in range(n)]
-    keep = [ref.keep_bernoulli(11, 96 + i, 0.5) for i in range(n)]
-    expect_c = [ref.uniform01(11, 52 + i, "float32") + (4.0 if k else 0.0) for i, k in zip(range(n), keep)]
+    assert a.tolist() == [ref.uniform01(11, bases[0] + i, "float32") for i in range(5)]
+    assert b.flatten().tolist() == [float(ref.randint(11, bases[1] + i, 0, 100)) for i in range(n)]
+    keep = [ref.keep_bernoulli(11, bases[3] + i, 0.5) for i in range(n)]
+    expect_c = [ref.uniform01(11, bases[2] + i, "float32") + (4.0 if k else 0.0) for i, k in zip(range(n), keep)]
     assert c.flatten().tolist() == [float(torch.tensor(v, dtype=torch.float32)) for v in expect_c]
     assert len(fn.backend.plans) >= 2  # the function really was split
 
@@ -127,7 +134,8 @@ def test_compile_rng_compile_module_with_a_graph_break_matches_eager_stream():
     compile_rng.manual_seed(5)
     with compile_rng.dispatch_modes.eager_stream():
         want = block(x)
-    assert torch.equal(got, want) and compile_rng.get_state() == (5, 64)
+    # dropout and randn_like, each over the (4, 8) activations
+    assert torch.equal(got, want) and compile_rng.get_state() == (5, 2 * ceil4(x.numel()))
     assert len(compiled.forward.backend.plans) == 2
 
 
