@@ -1,6 +1,6 @@
 """Training steps: activations drawn at their rows of the step's global batch.
 
-Invariant activations (DESIGN.md section 7). In a graph of a ``batched`` backend
+Invariant activations (docs/contract.md §3.5). In a graph of a ``batched`` backend
 (``compile_rng.backend(layout="invariant", batched=True)``), dim 0 of every random op's
 tensor is the batch: the tensor holds rows ``[start, start + rows)`` of a global batch
 of ``total`` rows, and element ``(i, j...)`` draws the counter of ``(start + i, j...)``

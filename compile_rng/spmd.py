@@ -1,4 +1,4 @@
-"""Counter layouts of DTensor shards (DESIGN.md section 3).
+"""Counter layouts of DTensor shards (docs/contract.md §3.2-§3.3).
 
 A random op on a DTensor of global shape ``G`` placed on a mesh reserves
 ``ceil4(numel(G))`` counters on every rank. Which of them a rank's local shard uses is

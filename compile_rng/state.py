@@ -1,4 +1,4 @@
-"""The Philox state ``(seed, offset)`` per device type, both uint64.
+"""The Philox state ``(seed, offset)`` per device type, both uint64 (docs/contract.md §1).
 
 On CPU, whose generator is not counter-based, compile_rng keeps the state itself
 (:mod:`compile_rng.installation` makes ``torch.manual_seed`` restart it). On CUDA (and

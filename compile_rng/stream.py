@@ -1,4 +1,5 @@
-"""Canonical stream v1: the contract every compile_rng implementation follows.
+"""Canonical stream v1: the contract every compile_rng implementation follows
+(docs/contract.md §4-§5).
 
 Every element of every random op owns a 64-bit counter ``n``. Its value is a pure
 function of ``(seed, n)`` and the op's parameters:

@@ -1,6 +1,6 @@
 """Independent scalar pure-Python reference for canonical stream v1.
 
-Written from the Random123 definition and DESIGN.md section 3 only: no torch, no code
+Written from the Random123 definition and docs/contract.md §4-§5 only: no torch, no code
 shared with compile_rng. Slow on purpose; tests use it on small tensors.
 """
 
