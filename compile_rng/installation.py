@@ -28,6 +28,17 @@ The private torch names these touch are read through :mod:`compile_rng.torch_int
 The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
 already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
 within a third of ``import torch``.
+
+Two changes last for a call or a block, not for the installation:
+
+* :func:`dtensor_dispatch_unhandled`: compile_rng's handler of one in-place random op
+  steps out of DTensor's handler table for one call (DTensor's own dispatch of an op on
+  a mesh compile_rng does not serve), and back;
+* :func:`dtensor_operands_kept`: DTensor's ``OpDispatcher.redistribute_local_args``
+  wrapped for a block, to refuse an operand's redistribution
+  (:mod:`compile_rng.shard_layouts`).
+
+``tests/test_torch_internals.py`` fails on a change to torch made anywhere else.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import importlib.abc
 import importlib.util
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -202,6 +214,55 @@ def _rng_supported_mesh(stock: Callable, tracker: ModuleType) -> Callable:
         return stock(device_mesh)
 
     return is_rng_supported_mesh
+
+
+# --- changes for a call or a block ----------------------------------------------------
+
+_handlers_lock = threading.RLock()
+
+
+def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
+    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
+    handler table on every op, so the handler steps out of it for this one call."""
+    handlers = torch_internals.dtensor_op_handlers()
+    with _handlers_lock:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
+
+
+@contextlib.contextmanager
+def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
+    """Inside the block DTensor's dispatch raises ``error`` where it would change an
+    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
+    a change of non-tensor arguments only - a view's global sizes made local - still
+    runs). :mod:`compile_rng.local_shards` runs a plain program's ops on DTensors this
+    way: the local op computes a shard of the DTensor op only where nothing moves."""
+    dispatcher = torch_internals.dtensor_op_dispatcher()
+    stock = dispatcher.redistribute_local_args
+    spec_type = torch_internals.DTensorSpec
+
+    def specs(args: Any) -> list:
+        return [s for s in torch_internals.tree_leaves(args) if isinstance(s, spec_type)]
+
+    def moves(before: Any, after: Any) -> bool:
+        # an empty operand (a KV cache's first torch.cat) has no data to move
+        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
+
+    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
+        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
+        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
+            raise error(f"{op_info.schema} needs {suggested}")
+        return stock(op_info, suggested, use_val)
+
+    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
+    try:
+        yield
+    finally:
+        del dispatcher.redistribute_local_args
 
 
 # --- post-import hooks ----------------------------------------------------------------

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from .installation import dtensor_operands_kept
 from .local_values import Lost
-from .torch_internals import StridedShard, dtensor_operands_kept, quiet_fake_tensor_failures, tree_leaves
+from .torch_internals import StridedShard, quiet_fake_tensor_failures, tree_leaves
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,26 @@
 """Every private torch API compile_rng reads, in one place.
 
 Each item says why compile_rng needs it; all were checked on torch 2.13.0 and 2.15.0
-(2.14 has the same modules). The changes compile_rng *makes* to torch live in
-:mod:`compile_rng.installation`, which reads them through this module - except two
-that last only for the backend's own compile (:func:`autograd_cache_keys`,
-:func:`rank_free_mesh_cache_keys`), which live here beside what they patch.
+(2.14 has the same modules). Private here means a module, attribute or method whose
+name starts with ``_`` (``torch._dynamo``, ``DTensor._op_dispatcher``), and Dynamo's
+undocumented fields (:data:`UNDOCUMENTED_FIELDS`); the one private stdlib function
+compile_rng calls (:func:`exit_skipping_teardown`) is here too.
+
+The changes compile_rng *makes* to torch live in :mod:`compile_rng.installation`, which
+reads them through this module, with two kinds of exception, listed for
+``tests/test_torch_internals.py``:
+
+* :data:`TEMPORARY_PATCHES`: two cache patches that last only for the backend's own
+  compile (:func:`autograd_cache_keys`, :func:`rank_free_mesh_cache_keys`), which live
+  here beside what they patch;
+* :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
+  (DTensor's tracker slot, handler table and dispatcher), which only the installer calls.
+
+DTensor's private tracker protocol (``_distribute_region``, ``_compute_rng_offsets``,
+``_manual_seed`` and the fields DTensor reads) is implemented here once, by
+:func:`dtensor_rng_tracker_base`, and mapped to public methods compile_rng's tracker
+defines; :data:`PRIVATE_OVERRIDES` lists any other private torch name a compile_rng
+class overrides (none).
 
 Nothing heavy is imported here at module import: DTensor, Dynamo, Inductor and sympy
 come in through functions, or through the lazy names of :data:`_LAZY`
@@ -14,9 +30,12 @@ come in through functions, or through the lazy names of :data:`_LAZY`
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import traceback
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 from torch import fx
@@ -32,7 +51,12 @@ from torch.utils._python_dispatch import _pop_mode_temporarily as pop_dispatch_m
 from torch.utils._pytree import tree_leaves, tree_map  # the leaves of an op's (args, kwargs); map over them
 
 __all__ = [  # and the lazy names of _LAZY, added below
+    "GraphBreak",
+    "INSTALLER_ONLY",
     "OpOverload",
+    "PRIVATE_OVERRIDES",
+    "TEMPORARY_PATCHES",
+    "UNDOCUMENTED_FIELDS",
     "TorchDispatchMode",
     "aot_autograd",
     "autograd_cache_keys",
@@ -44,13 +68,17 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "detect_fake_mode",
     "disable_dynamo",
     "distribute_region",
+    "graph_compile_id",
+    "exit_skipping_teardown",
     "dispatch_mode_stack",
+    "dtensor_op_dispatcher",
     "dtensor_op_handlers",
-    "dtensor_operands_kept",
     "dtensor_random",
+    "dtensor_rng_tracker_base",
     "dtensor_spec",
     "fake_store",
     "get_proxy_mode",
+    "graph_break",
     "inductor_cache_dir",
     "inductor_compile",
     "inductor_decompositions",
@@ -76,6 +104,28 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "tree_leaves",
     "tree_map",
 ]
+
+
+# --- the boundary's lists (tests/test_torch_internals.py reads them) ---------------------
+
+#: Functions of this module that change torch for the length of a ``with`` block inside
+#: the backend's own compile (run under Dynamo's compile lock): each is named in the
+#: module docstring. Every other change to torch is made by compile_rng.installation.
+TEMPORARY_PATCHES: tuple[str, ...] = ("autograd_cache_keys", "rank_free_mesh_cache_keys")
+
+#: Accessors that set or hand out torch's mutable state: only compile_rng.installation
+#: calls them (DTensor's tracker slot, its per-op handler table, its op dispatcher).
+INSTALLER_ONLY: tuple[str, ...] = ("set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher")
+
+#: Dynamo's undocumented fields with public-looking names: only this module reads them.
+#: ``dynamo_compile_id`` (``gm.meta``) and ``compile_subgraph_reason`` (an attribute) are
+#: set by Dynamo on the graphs it hands a backend (2.13.0, 2.15.0).
+UNDOCUMENTED_FIELDS: tuple[str, ...] = ("dynamo_compile_id", "compile_subgraph_reason")
+
+#: ``(module path, class, private name, reason with the torch versions checked)`` of each
+#: private torch method or field a compile_rng class outside this module overrides or sets.
+#: None: DTensor's tracker protocol is implemented here (:func:`dtensor_rng_tracker_base`).
+PRIVATE_OVERRIDES: tuple[tuple[str, str, str, str], ...] = ()
 
 
 # The type of an aten op overload (``aten.rand.default``), for annotations.
@@ -296,6 +346,32 @@ def traced_code_name() -> str | None:
     return codes[0].co_name if codes else None
 
 
+def graph_compile_id(gm: fx.GraphModule) -> str:
+    """The compile id of a graph Dynamo hands a backend (``"0"`` for another graph), for
+    file names: ``gm.meta["dynamo_compile_id"]``, which Dynamo sets and does not document
+    (checked on torch 2.13.0 and 2.15.0)."""
+    return str(gm.meta.get("dynamo_compile_id", "0"))
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """Where and why Dynamo split a function before the graph it hands a backend."""
+
+    reason: str  # the first line of Dynamo's reason
+    frame: traceback.FrameSummary | None  # the user's line that broke the graph
+
+
+def graph_break(gm: fx.GraphModule) -> GraphBreak | None:
+    """The graph break that ended ``gm`` (None: it ends at a return, or is not Dynamo's).
+    Dynamo sets ``gm.compile_subgraph_reason``, an undocumented ``GraphCompileReason``
+    (``reason``, ``user_stack``, ``graph_break``), on the graphs it hands a backend
+    (checked on torch 2.13.0 and 2.15.0); the backend warns at the user's line."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return None
+    return GraphBreak(reason.reason.splitlines()[0], reason.user_stack[-1] if reason.user_stack else None)
+
+
 # --- DTensor ---------------------------------------------------------------------------
 
 
@@ -322,6 +398,57 @@ def distribute_region(tracker: Any, spec: Any, generator: Any = None) -> Any:
     return tracker._distribute_region(spec, generator)
 
 
+@functools.cache
+def dtensor_rng_tracker_base() -> type:
+    """The base class of compile_rng's DTensor RNG tracker: an ``OffsetBasedRNGTracker``
+    (DTensor's accelerator dispatch asserts that type) whose private protocol calls
+    public methods the subclass defines.
+
+    DTensor calls, on ``torch.distributed.tensor._random._rng_tracker`` (checked on torch
+    2.13.0 and 2.15.0): ``_distribute_region(spec, generator)``, the region a random op's
+    local op runs in -> ``region(spec, generator)``; ``_compute_rng_offsets(spec)``, what
+    its accelerator branch hands ``run_dtensor_rng_op`` -> ``rng_offsets(spec)`` (torch's
+    own: ``stock_rng_offsets(spec)``); ``_manual_seed(seed)``, DTensor's
+    ``manual_seed(seed, mesh)`` -> ``reseed(seed)``. ``__init__`` sets the fields
+    ``_RNGStateTracker.__init__`` sets and DTensor reads (``_device``,
+    ``_device_handle``, ``_use_distribute_region``), not through
+    ``OffsetBasedRNGTracker.__init__``, which refuses a CPU device and syncs a device
+    generator. Made on the first call (it imports DTensor), once."""
+    from torch.distributed.tensor._random import OffsetBasedRNGTracker
+
+    class DTensorRNGTracker(OffsetBasedRNGTracker):
+        def __init__(self) -> None:
+            self._device = torch.device("cpu")
+            self._device_handle = None
+            self._use_distribute_region = True
+
+        # Dynamo must not inline the region (it reads the state and placements); code
+        # that calls it from a compiled frame graph-breaks and runs the region eagerly.
+        @disable_dynamo
+        def _distribute_region(self, spec: Any, generator: Any = None) -> Any:
+            return self.region(spec, generator)
+
+        def _compute_rng_offsets(self, spec: Any) -> Any:
+            return self.rng_offsets(spec)
+
+        def stock_rng_offsets(self, spec: Any) -> Any:
+            return super()._compute_rng_offsets(spec)
+
+        def _manual_seed(self, parallel_seed: int) -> None:
+            self.reseed(parallel_seed)
+
+        def region(self, spec: Any, generator: Any = None) -> Any:
+            raise NotImplementedError
+
+        def rng_offsets(self, spec: Any) -> Any:
+            raise NotImplementedError
+
+        def reseed(self, parallel_seed: int) -> None:
+            raise NotImplementedError
+
+    return DTensorRNGTracker
+
+
 def dtensor_dispatch() -> Any:
     """``torch.distributed.tensor._dispatch``: for an accelerator DTensor (2.13: CUDA;
     2.15: the current accelerator) without ``generator=``, its dispatch skips the
@@ -332,12 +459,19 @@ def dtensor_dispatch() -> Any:
     return module
 
 
+def dtensor_op_dispatcher() -> Any:
+    """DTensor's op dispatcher (``DTensor._op_dispatcher``, an ``OpDispatcher``; checked
+    on torch 2.13.0 and 2.15.0): the installer wraps its ``redistribute_local_args``
+    for a block (``installation.dtensor_operands_kept``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher
+
+
 def dtensor_op_handlers() -> dict:
     """DTensor's per-op custom handlers (in-place random ops DTensor runs without a
     tracker region get one that opens it)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor._op_dispatcher._custom_op_handlers
+    return dtensor_op_dispatcher()._custom_op_handlers
 
 
 def dtensor_spec(dtensor: Any) -> Any:
@@ -360,40 +494,6 @@ def quiet_fake_tensor_failures() -> Iterator[None]:
         yield
     finally:
         logger.disabled = disabled
-
-
-@contextlib.contextmanager
-def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
-    """Inside the block DTensor's dispatch raises ``error`` where it would change an
-    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
-    a change of non-tensor arguments only - a view's global sizes made local - still
-    runs). :mod:`compile_rng.local_shards` runs a plain program's ops on DTensors this
-    way: the local op computes a shard of the DTensor op only where nothing moves."""
-    import torch.utils._pytree as pytree
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    dispatcher = DTensor._op_dispatcher
-    stock = dispatcher.redistribute_local_args
-
-    def specs(args: Any) -> list:
-        return [s for s in pytree.tree_leaves(args) if isinstance(s, DTensorSpec)]
-
-    def moves(before: Any, after: Any) -> bool:
-        # an empty operand (a KV cache's first torch.cat) has no data to move
-        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
-
-    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
-        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
-        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
-            raise error(f"{op_info.schema} needs {suggested}")
-        return stock(op_info, suggested, use_val)
-
-    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
-    try:
-        yield
-    finally:
-        del dispatcher.redistribute_local_args
 
 
 def local_tensor(tensor: Any) -> Any:
@@ -446,6 +546,27 @@ def split_factor(placement: Any) -> int:
     return placement.split_factor
 
 
+# --- the process ---------------------------------------------------------------------
+
+
+def exit_skipping_teardown() -> NoReturn:
+    """End this process with status 0 without the interpreter's teardown: gloo's threads
+    can abort it ("terminate called without an active exception") after a rank's body
+    has passed (:mod:`compile_rng.launch`). multiprocessing's own exit step still runs
+    first - ``multiprocessing.util._exit_function``, private, the function it registers
+    with ``atexit`` (checked on Python 3.11 with torch 2.13.0 and 2.15.0): it releases the
+    semaphores of Inductor's compile workers, which the parent's resource tracker would
+    otherwise report leaked. Then the output is flushed and ``os._exit(0)`` ends it."""
+    import multiprocessing.util
+    import os
+    import sys
+
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # --- names imported on first use ---------------------------------------------------------
 
 # name -> (module, attribute or None for the module itself, why)
@@ -453,6 +574,10 @@ _LAZY: dict[str, tuple[str, str | None, str]] = {
     "OffsetBasedRNGTracker": (
         "torch.distributed.tensor._random", "OffsetBasedRNGTracker",
         "the tracker type DTensor's CUDA dispatch asserts; compile_rng's tracker subclasses it",
+    ),
+    "DTensorSpec": (
+        "torch.distributed.tensor._dtensor_spec", "DTensorSpec",
+        "what DTensor's dispatch passes around for an operand (mesh, placements, shape)",
     ),
     "StridedShard": (
         "torch.distributed.tensor.placement_types", "_StridedShard",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import installation, state, verify
 from . import ops as cr_ops
-from . import state, verify
 from .dispatch_modes import Pieces, RandomOpMode, current_mode
 from .rows import batch_window, current_rows
 from .spmd import Sharding
@@ -41,7 +40,7 @@ from .torch_internals import (
     detect_fake_mode,
     disable_dynamo,
     distribute_region,
-    dtensor_op_handlers,
+    dtensor_rng_tracker_base,
     dtensor_spec,
     get_proxy_mode,
     local_tensor_mode_enabled,
@@ -125,30 +124,30 @@ def _coordinates(mesh: Any, symbolic: bool) -> list:
     return list(coords)
 
 
-class Tracker(OffsetBasedRNGTracker):
+class Tracker(dtensor_rng_tracker_base()):
     """The object installed as ``torch.distributed.tensor._random._rng_tracker``.
 
     It must be an ``OffsetBasedRNGTracker``: for accelerator DTensors DTensor's dispatch
-    (torch 2.13-2.15 ``_dispatch.py``) skips ``_distribute_region``, asserts that type
-    and passes ``_compute_rng_offsets(spec)`` to ``run_dtensor_rng_op``. Meshes of
-    other device types (:func:`serves`) keep torch's semantics: their regions go to a
-    stock ``OffsetBasedRNGTracker``.
+    (torch 2.13-2.15 ``_dispatch.py``) skips the region, asserts that type and passes the
+    tracker's offsets for the spec to ``run_dtensor_rng_op``. DTensor's private tracker
+    protocol is implemented by :func:`~compile_rng.torch_internals.dtensor_rng_tracker_base`,
+    which calls :meth:`region`, :meth:`rng_offsets` and :meth:`reseed`. Meshes of other
+    device types (:func:`serves`) keep torch's semantics: their regions go to a stock
+    ``OffsetBasedRNGTracker``.
     """
 
-    # Not OffsetBasedRNGTracker.__init__: it refuses CPU and syncs a device generator.
     def __init__(self) -> None:
-        self._device = torch.device("cpu")
-        self._device_handle = None
-        self._use_distribute_region = True
-        self._fallbacks: dict[str, Any] = {}
+        super().__init__()
+        self.fallbacks: dict[str, Any] = {}  # device type -> torch's tracker for its meshes
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
     @disable_dynamo
     @contextlib.contextmanager
-    def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+    def region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        """The region DTensor runs a random op's local op in (its ``_distribute_region``)."""
         if not serves(spec.mesh):
-            fallback = self._fallback(spec.mesh)
+            fallback = self.fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled
             with distribute_region(fallback, spec, generator):
                 yield
@@ -158,7 +157,7 @@ class Tracker(OffsetBasedRNGTracker):
             return
         if local_tensor_mode_enabled() and spec.mesh.device_type != "cpu":
             # torch's per-rank tracker simulates accelerator ranks; keep its semantics there.
-            with distribute_region(self._fallback(spec.mesh), spec, generator):
+            with distribute_region(self.fallback(spec.mesh), spec, generator):
                 yield
             return
         if local_tensor_mode_enabled():
@@ -228,19 +227,22 @@ class Tracker(OffsetBasedRNGTracker):
         with RandomOpMode(counters):
             yield
 
-    def _compute_rng_offsets(self, spec: Any) -> tuple[Any, Any]:
-        # DTensor's accelerator branch passes this to run_dtensor_rng_op, where
-        # run_dtensor_rng_op_hook opens this tracker's region for the spec instead.
+    def rng_offsets(self, spec: Any) -> tuple[Any, Any]:
+        """What DTensor's accelerator branch passes to run_dtensor_rng_op (its
+        ``_compute_rng_offsets``), where run_dtensor_rng_op_hook opens this tracker's
+        region for the spec instead."""
         if not serves(spec.mesh):
-            return super()._compute_rng_offsets(spec)
+            return self.stock_rng_offsets(spec)
         return _Region(spec), None
 
-    def _fallback(self, mesh: Any) -> OffsetBasedRNGTracker:
-        if mesh.device_type not in self._fallbacks:
-            self._fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
-        return self._fallbacks[mesh.device_type]
+    def fallback(self, mesh: Any) -> OffsetBasedRNGTracker:
+        """torch's own tracker for the meshes of ``mesh``'s device type."""
+        if mesh.device_type not in self.fallbacks:
+            self.fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
+        return self.fallbacks[mesh.device_type]
 
-    def _manual_seed(self, parallel_seed: int) -> None:
+    def reseed(self, parallel_seed: int) -> None:
+        """DTensor's ``manual_seed(seed, mesh)`` (its ``_manual_seed``)."""
         state.manual_seed(parallel_seed)
 
 
@@ -252,7 +254,7 @@ def serves(mesh: Any) -> bool:
 
 @dataclass(frozen=True)
 class _Region:
-    """The "offsets" :meth:`Tracker._compute_rng_offsets` hands DTensor's accelerator branch."""
+    """The "offsets" :meth:`Tracker.rng_offsets` hands DTensor's accelerator branch."""
 
     spec: Any
 
@@ -264,7 +266,7 @@ def run_dtensor_rng_op_hook(stock: Any) -> Any:
 
     def run_dtensor_rng_op(start: Any, end: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(start, _Region):
-            with TRACKER._distribute_region(start.spec):
+            with distribute_region(TRACKER, start.spec):
                 return op(*args, **kwargs)
         return stock(start, end, op, *args, **kwargs)
 
@@ -311,7 +313,7 @@ def _local_operand(op_call, target: DTensor, a: Any) -> Any:
 def inplace_handler(op_call, args, kwargs):
     target = args[0]
     if not serves(target.device_mesh):
-        return _stock_dispatch(op_call, args, kwargs)
+        return installation.dtensor_dispatch_unhandled(op_call, args, kwargs)
     if target.device_mesh.get_coordinate() is None:
         # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
         # nothing and does not advance its state.
@@ -320,22 +322,6 @@ def inplace_handler(op_call, args, kwargs):
     with distribute_region(rng_tracker(), dtensor_spec(target)):
         op_call(*local_args, **kwargs)
     return target
-
-
-_stock_lock = threading.RLock()
-
-
-def _stock_dispatch(op_call, args, kwargs):
-    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
-    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
-    handler table on every op, so the handler steps out of it for this one call."""
-    handlers = dtensor_op_handlers()
-    with _stock_lock:
-        mine = handlers.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = mine
 
 
 TRACKER = Tracker()

@@ -85,7 +85,7 @@ def test_unserved_mesh_regions_go_to_torchs_tracker(monkeypatch):
         mesh = DeviceMesh("meta", [0, 1])
         spec = DTensor.from_local(torch.empty(2, 3, device="meta"), mesh, [Shard(0)])._spec
         stock = _RecordingTracker()
-        monkeypatch.setitem(dtensor_random._rng_tracker._fallbacks, "meta", stock)
+        monkeypatch.setitem(dtensor_random._rng_tracker.fallbacks, "meta", stock)
         generator = torch.Generator()
         before = compile_rng.get_state()
         with dtensor_random._rng_tracker._distribute_region(spec, generator):
