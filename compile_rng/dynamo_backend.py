@@ -295,18 +295,18 @@ def _with_key_input(
 def _graph_name(gm: fx.GraphModule) -> str:
     """``<function>.<compile id>`` of the graph Dynamo hands over (for file names)."""
     func = torch_internals.traced_code_name() or "graph"
-    compile_id = str(gm.meta.get("dynamo_compile_id", "0")).replace("/", "_")
+    compile_id = torch_internals.graph_compile_id(gm).replace("/", "_")
     return f"{func.strip('<>')}.{compile_id}"
 
 
 def _warn_if_split(gm: fx.GraphModule) -> None:
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None or not reason.graph_break or dispatch_modes.in_compiled_call():
+    split = torch_internals.graph_break(gm)
+    if split is None or dispatch_modes.in_compiled_call():
         return
     # Reported at the user's line that broke the graph, once per compiled graph.
-    where = reason.user_stack[-1] if reason.user_stack else None
+    where = split.frame
     warnings.warn_explicit(
-        f"compile_rng: Dynamo split the function here ({reason.reason.splitlines()[0]}). "
+        f"compile_rng: Dynamo split the function here ({split.reason}). "
         "Under torch.compile(backend='compile_rng') a plain-tensor random op in the eager "
         "code between graphs draws from torch's generator, not from compile_rng's stream; "
         "compile with compile_rng.compile(fn) to keep it on the stream.",

@@ -170,12 +170,12 @@ class _OwnershipMode(TorchDispatchMode):
         self.named = _StorageSet()  # the modules' parameters and buffers, refreshed at each draw
         self.derived = _StorageSet()  # temporaries allocated from, or computed from, one named tensor
         self.anonymous = _StorageSet()  # storages holding values of ownerless draws -> the draw
-        self._refresh_names()
+        self.refresh_names()
 
     def owner(self, storage: torch.UntypedStorage | None) -> str | None:
         return self.named.get(storage) or self.derived.get(storage)
 
-    def _refresh_names(self) -> None:
+    def refresh_names(self) -> None:
         for module in self.streams.modules:
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
                 storage = _storage_of(t)
@@ -187,39 +187,39 @@ class _OwnershipMode(TorchDispatchMode):
         inputs = [_storage_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         written = _written(func, args, kwargs)
         if is_random(func):
-            self._refresh_names()
+            self.refresh_names()
             target = args[0] if args and isinstance(args[0], torch.Tensor) else None
             owner = self.owner(_storage_of(target))
             self.streams.select(owner or ANONYMOUS, dispatch_modes.op_device(func, args, kwargs).type)
             out = func(*args, **kwargs)
             if owner is None:
-                self._mark(self.anonymous, [*tree_leaves(out), *written], f"{func} at {_user_frame()}")
+                self.mark(self.anonymous, [*tree_leaves(out), *written], f"{func} at {_user_frame()}")
             else:
-                self._mark(self.derived, tree_leaves(out), owner)
+                self.mark(self.derived, tree_leaves(out), owner)
             return out
         drawn = next((d for d in map(self.anonymous.get, inputs) if d), None)
         if drawn is not None:
-            self._refresh_names()
+            self.refresh_names()
             for target in written:
                 name = self.named.get(_storage_of(target))
                 if name is not None:
                     raise ownerless_error(f"{func} writes them into {name!r}", drawn)
         out = func(*args, **kwargs)
         if drawn is not None:
-            self._mark(self.anonymous, [*tree_leaves(out), *written], drawn)
+            self.mark(self.anonymous, [*tree_leaves(out), *written], drawn)
             return out
         # A value computed from one named tensor (trunc_normal_'s ``where`` over redraws)
         # stays that tensor's: temporaries allocated like it draw from its stream.
         owners = {o for o in map(self.owner, inputs) if o is not None}
         if not owners and func in _ALLOCATE_LIKE:  # from a tensor registered since the last draw?
-            self._refresh_names()
+            self.refresh_names()
             owners = {o for o in map(self.owner, inputs) if o is not None}
         if len(owners) == 1:
-            self._mark(self.derived, [*tree_leaves(out), *written], owners.pop())
+            self.mark(self.derived, [*tree_leaves(out), *written], owners.pop())
         return out
 
     @staticmethod
-    def _mark(storages: _StorageSet, tensors: list, value: str) -> None:
+    def mark(storages: _StorageSet, tensors: list, value: str) -> None:
         for t in tensors:
             storage = _storage_of(t)
             if storage is not None and storages.get(storage) is None:

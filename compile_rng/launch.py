@@ -11,7 +11,6 @@ benchmarks and the tests share.
 
 from __future__ import annotations
 
-import multiprocessing.util
 import os
 import socket
 import sys
@@ -40,12 +39,9 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> Non
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo's threads can abort it ("terminate called without
     # an active exception") after the body has passed. Failures raise before this line.
-    # multiprocessing's own exit step still runs: it releases the semaphores of Inductor's
-    # compile workers, which the parent's resource tracker would otherwise report leaked.
-    multiprocessing.util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from . import torch_internals
+
+    torch_internals.exit_skipping_teardown()  # multiprocessing's own exit step still runs
 
 
 def torchrun_world() -> int | None:
