@@ -8,7 +8,7 @@ TRITON ?= 3.8.0
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-slow test-all test-gpu aot-gpu bench load clean
+.PHONY: setup demo lint test test-slow test-all test-gpu aot-gpu bench load clean
 
 setup: $(VENV)/.installed
 
@@ -30,11 +30,15 @@ demo: setup
 	$(PY) examples/llama_init.py
 	$(PY) examples/train_parity.py --steps 3 --only DDP=2 TP=2+SP
 
+lint: setup
+	$(VENV)/bin/ruff check compile_rng passes tests examples benchmarks
+
+# --durations: the slowest tests, printed on every run, so a slow one is seen when it lands
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow" --durations=15
 
 test-slow: setup
-	$(VENV)/bin/pytest -q -m slow
+	$(VENV)/bin/pytest -q -m slow --durations=15
 
 test-all: setup
 	$(VENV)/bin/pytest -q

@@ -76,7 +76,7 @@ def main() -> None:
             lo, hi = (0.0, 1.0)
             eager = (lambda: out.uniform_()) if name == "uniform" else (lambda: out.normal_())
             cases = [
-                ("compile_rng eager", lambda op=op: op(key, 0, [n], [1], lo, hi, torch.float32)),
+                ("compile_rng eager", lambda op=op, lo=lo, hi=hi: op(key, 0, [n], [1], lo, hi, torch.float32)),
                 ("compile_rng graph", cr_graph[name]),
                 ("torch eager", eager),
                 ("stock Inductor", stock[name]),

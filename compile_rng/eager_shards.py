@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from . import tracker
 from .dispatch_modes import drawn_shape
 from .local_values import Layout, Lost, lookup, record
-from .random_ops import INPLACE, RULES
+from .random_ops import INPLACE
 from .shard_layouts import SizeArgument, is_sharded, propagate
 from .torch_internals import distribute_region, dtensor_spec, tree_leaves, tree_map
 

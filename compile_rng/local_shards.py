@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -117,9 +117,9 @@ def _global_sizes(sizes: SizeArgument, args: tuple) -> list[list]:
     requested = list(sizes.sizes)
     if sizes.kind == "expand":
         lead = len(requested) - operand.ndim
-        for dim, (g, l) in enumerate(zip(operand.shape, local)):
-            if g != l:
-                if requested[lead + dim] not in (-1, l):
+        for dim, (g, loc) in enumerate(zip(operand.shape, local)):
+            if g != loc:
+                if requested[lead + dim] not in (-1, loc):
                     return []
                 requested[lead + dim] = g
         return [requested]

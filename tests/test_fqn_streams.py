@@ -195,7 +195,7 @@ def _gloo_configs(rank, world):
 
 @pytest.mark.slow
 def test_fqn_streams_on_tp_fsdp_and_fsdp_tp_gloo():
-    
+
     spawn(_gloo_configs, 4)
 
 

@@ -117,7 +117,7 @@ def test_op_handlers_hand_unserved_meshes_to_stock_dispatch(monkeypatch):
         mesh = DeviceMesh("meta", [0, 1])
 
         def run_all():
-            return {name: _outcome(lambda: call(DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [Shard(0)])))
+            return {name: _outcome(lambda call=call: call(DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [Shard(0)])))
                     for name, call in calls.items()}
 
         with monkeypatch.context() as m:  # stock torch: compile_rng's handlers removed

@@ -280,7 +280,7 @@ def boundary_violations(modules: list[Module]) -> list[str]:
     undocumented = set(torch_internals.UNDOCUMENTED_FIELDS)
     out = []
     for m in modules:
-        report = lambda node, rule, what: out.append(f"{m.path}:{node.lineno}: {rule}: {what}")  # noqa: E731
+        report = lambda node, rule, what, m=m: out.append(f"{m.path}:{node.lineno}: {rule}: {what}")  # noqa: E731
         docstrings = _docstrings(m.tree)
         if m.path != HOME:
             for node in ast.walk(m.tree):
