@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import installation, state, verify
+# spmd as a module: importing it first imports DTensor, whose import hook imports this
+# module, which then finds spmd half-initialized (its names are read at call time)
+from . import installation, spmd, state, verify
 from . import ops as cr_ops
 from .dispatch_modes import Pieces, RandomOpMode, current_mode
 from .rows import batch_window, current_rows
-from .spmd import Sharding
 from .torch_internals import (
     OffsetBasedRNGTracker,
     detect_fake_mode,
@@ -77,7 +78,7 @@ class Site:
 
     op: str
     mode: str
-    sharding: Sharding
+    sharding: spmd.Sharding
     start: Any  # SymInt/int: offset of the rank's first counter within the op's range
     advance: Any  # SymInt/int: counters the op reserves
     coords: tuple  # the runtime mesh coordinate (SymInts) ``start`` is a function of
@@ -169,7 +170,7 @@ class Tracker(dtensor_rng_tracker_base()):
                 "process) are not supported; simulate ranks with the fake process group "
                 "(one process acting as each rank) or run real ranks"
             )
-        sharding = Sharding.from_spec(spec)
+        sharding = spmd.Sharding.from_spec(spec)
         if generator is not None:
             raise NotImplementedError(
                 "compile_rng: DTensor random ops with generator= are not supported: the stream of "
