@@ -6,7 +6,7 @@ Triton compiles ahead of time for a named GPU with no GPU and no driver
 sm_90 (H100) and sm_100 (B200, where the installed triton has its ptxas) with no spill
 bytes; registers per thread are recorded (``benchmarks/aot_gpu.py`` prints them). The
 default suite compiles a representative subset (every op, both layouts, every
-dtype-specific path); the sweep of every variant is marked slow.
+dtype-specific path); the sweep of every variant is marked slow and sweep (`make test-all`).
 
 Skipped only where triton is not installed.
 """
@@ -135,6 +135,7 @@ def test_representative_variants_compile_without_spills():
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # 194 variants x 3 targets: ~4.5 min on 2 cores, only in `make test-all`
 def test_every_variant_compiles_without_spills():
     names = list(tk.specializations())
     results = gpu_aot.compile_all(names, ARCHS)
