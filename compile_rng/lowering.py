@@ -142,7 +142,7 @@ def _register(op: OpOverload) -> Callable:
 EXTERN_MIN_NUMEL = 1 << 18
 #: ... and elsewhere (AVX2, NEON, no vector ISA), where the fused loop's 64-bit multiplies
 #: have no vector instruction: with Inductor at AVX2 it ran 31-41 ns/element from 1K to
-#: 256K elements, against the kernel call's ~40 us (the custom op's Python layers, on a
+#: 256K elements, against the kernel call's 30-40 us (the custom op's Python layers, on a
 #: 2-core EPYC) plus ~1 ns/element; the two cross near 1.3K elements
 #: (``benchmarks/bench_random.py --isa avx2 --baseline-isa avx2 --size N``).
 EXTERN_MIN_NUMEL_NARROW = 1 << 11
