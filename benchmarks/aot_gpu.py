@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["TRITON_INTERPRET"] = "0"  # this process compiles (--per-element): JIT kernels
 
-from compile_rng import gpu_aot  # noqa: E402
+from compile_rng.debug import gpu_aot  # noqa: E402
 
 # --- the table ------------------------------------------------------------------------------
 
@@ -97,7 +97,7 @@ _CLASSES = (
 def _sass_with_addresses(cubin: bytes) -> list[tuple[int, str]]:
     import subprocess
 
-    from compile_rng import triton_internals
+    from compile_rng._torch import triton_internals
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
@@ -172,7 +172,7 @@ PER_ELEMENT = {"uniform.float32.stream": 4, "normal.float32.stream": 4, "dropout
 
 
 def per_element() -> None:
-    from compile_rng import triton_kernels as tk
+    from compile_rng.stream import triton_kernels as tk
 
     print("\nsm_90 SASS per element (common path) and the H100 SXM5 prediction "
           f"({H100_SMS} SMs, {H100_CLOCK_HZ / 1e9:.2f} GHz, HBM {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, "
@@ -216,7 +216,7 @@ def main() -> None:
     import torch
     import triton
 
-    from compile_rng import triton_kernels as tk
+    from compile_rng.stream import triton_kernels as tk
 
     archs = gpu_aot.supported_archs(args.arch)
     names = [n for n in tk.specializations() if not args.only or any(s in n for s in args.only)]

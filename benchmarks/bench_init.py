@@ -114,7 +114,7 @@ def main() -> None:
     cases = {
         "eager torch (trunc_normal_)": lambda m: init_weights(m),
         "compile_rng.init tracker": compile_rng.init(init_weights),
-        "compile_rng.init invariant": compile_rng.init(init_weights, mode="invariant"),
+        "compile_rng.init invariant": compile_rng.init(init_weights, layout="invariant"),
         "eager torch (normal_)": lambda m: init_normal(m),
         "compile_rng.init tracker (normal_)": compile_rng.init(init_normal, compile=True),
     }

@@ -41,8 +41,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
     row = {}
     for mode in ("tracker", "invariant"):
         dist.barrier()
-        progress(f"{world} rank(s): timing @compile_rng.init(mode={mode!r}), {args.repeat} repeats")
-        row[mode] = timed(compile_rng.init(init_weights, mode=mode), model, args.repeat)[1]
+        progress(f"{world} rank(s): timing @compile_rng.init(layout={mode!r}), {args.repeat} repeats")
+        row[mode] = timed(compile_rng.init(init_weights, layout=mode), model, args.repeat)[1]
     row["local_params"] = sum(p.to_local().numel() for p in model.parameters())
     results[(world, rank)] = row
 

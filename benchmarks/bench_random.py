@@ -2,7 +2,7 @@
 
 Every figure is measured in the same run on the same machine; ratios are what to
 compare (absolute times drift). Prints the CPU and, per row, the instruction set it ran
-with: compile_rng's CPU kernel build (``compile_rng.cpu_kernel.isa()``), ATen's CPU
+with: compile_rng's CPU kernel build (``compile_rng.stream.cpu_kernel.isa()``), ATen's CPU
 capability for eager torch and Inductor's vector ISA for its generated C++.
 ``--isa avx2 baseline ...`` measures each named build of compile_rng's kernel in turn
 (forced with ``COMPILE_RNG_CPU_ISA``), each with its own baselines; ``--baseline-isa avx2``
@@ -61,9 +61,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import compile_rng  # noqa: E402
-from compile_rng import cpu_kernel, ops  # noqa: E402
+from compile_rng.stream import cpu_kernel  # noqa: E402
+from compile_rng import ops  # noqa: E402
 from compile_rng.launch import progress  # noqa: E402
-from compile_rng.torch_internals import inductor_vector_isa  # noqa: E402
+from compile_rng._torch.torch_internals import inductor_vector_isa  # noqa: E402
 
 
 def timeit(fn: Callable[[], object], repeat: int) -> float:

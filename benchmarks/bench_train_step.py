@@ -41,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
-from compile_rng import cpu_kernel  # noqa: E402
+from compile_rng.stream import cpu_kernel  # noqa: E402
 from compile_rng.launch import progress  # noqa: E402
 from train_parity import MODES, Config, _backend, make_model  # noqa: E402
 

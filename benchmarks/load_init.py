@@ -43,7 +43,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
     for layer in model:
         fully_shard(layer, mesh=mesh)
 
-    @compile_rng.init(mode="invariant")
+    @compile_rng.init(layout="invariant")
     def init_weights(m: nn.ModuleList) -> None:
         for layer in m:
             nn.init.normal_(layer.weight, std=0.02)

@@ -14,9 +14,11 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   ``backend="compile_rng"`` (its graphs only).
 * :func:`step` - a training step for ``backend(layout="invariant", batched=True)``:
   activations draw at their rows of the step's global batch, so data parallelism and
-  microbatching leave the values unchanged (:mod:`compile_rng.batches`).
-* :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(mode="invariant")`` on a
-  weight-initialization function; :func:`mode` - the counter layout of eager DTensor ops.
+  microbatching leave the values unchanged (:mod:`compile_rng.eager.batches`).
+* :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(layout="invariant")`` on a
+  weight-initialization function (``streams="fqn"``: one stream per parameter name);
+  :func:`layout` - the counter layout of eager DTensor ops (:func:`mode`: its deprecated
+  spelling, as ``mode=`` is of ``layout=`` and ``key=`` of ``streams=``).
 * :func:`dump` (depyf dumps plus annotated graphs before/after the pass) and
   :func:`explain` (a report of every random op, its placements and offsets per rank).
 * :mod:`compile_rng.ops` - the functional ops (``torch.ops.compile_rng.*``) and the
@@ -48,23 +50,24 @@ _mount_source_passes()
 # The public API, imported on first use: `import compile_rng` costs about a third of
 # `import torch` on top of it (no Dynamo, Inductor or depyf until they are needed).
 _PUBLIC = {
-    "StreamState": ".checkpointing",
-    "backend": ".dynamo_backend",
-    "compile": ".compiling",
-    "dump": ".dumps",
-    "explain": ".explaining",
-    "get_state": ".state",
-    "init": ".init_decorator",
-    "install": ".installation",
-    "load_state_dict": ".checkpointing",
-    "manual_seed": ".installation",
-    "mode": ".dispatch_modes",
+    "StreamState": ".stream.checkpointing",
+    "backend": ".compiled.backend",
+    "compile": ".compiled.compiling",
+    "dump": ".debug.dumps",
+    "explain": ".debug.explaining",
+    "get_state": ".stream.state",
+    "init": ".eager.init_decorator",
+    "install": "._torch.installation",
+    "load_state_dict": ".stream.checkpointing",
+    "manual_seed": "._torch.installation",
+    "layout": ".semantics.layouts",
+    "mode": ".semantics.layouts",
     "ops": None,
-    "set_state": ".state",
-    "state_dict": ".checkpointing",
-    "step": ".batches",
+    "set_state": ".stream.state",
+    "state_dict": ".stream.checkpointing",
+    "step": ".eager.batches",
     "stream": None,
-    "uninstall": ".installation",
+    "uninstall": "._torch.installation",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
@@ -93,6 +96,6 @@ def _run_as_cli() -> bool:
 
 
 if not _run_as_cli():
-    from .installation import install as _install
+    from compile_rng._torch.installation import install as _install
 
     _install()  # importing compile_rng opts torch's seeding and DTensor's meshes into its stream

@@ -109,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("target", metavar="TARGET", help="path/to/file.py:NAME or package.module:NAME")
         if name == "explain":
             command.add_argument(
-                "--mode", default="tracker", choices=["tracker", "invariant"],
+                "--layout", "--mode", dest="layout", default="tracker", choices=["tracker", "invariant"],
                 help="counter layout: 'tracker' (eager DTensor's; the default) or 'invariant' "
-                "(values independent of the sharding)",
+                "(values independent of the sharding); --mode is the old spelling",
             )
         else:
             command.add_argument("--out", required=True, metavar="DIR", help="folder for the dumps (created)")
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     fn, fargs, fkwargs = _load(args.target)
     if args.command == "explain":
         _progress("tracing and compiling (AOTAutograd + the compile_rng pass) ...")
-        report = compile_rng.explain(fn, *fargs, mode=args.mode, **fkwargs)
+        report = compile_rng.explain(fn, *fargs, layout=args.layout, **fkwargs)
         print(report)
     else:
         import torch

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .launch import progress, reporting, results_dict, spawn, torchrun_world
+from compile_rng.launch import progress, reporting, results_dict, spawn, torchrun_world
 
 SEED = 2026
 HIDDEN, DIM, BATCH = 64, 16, 8
@@ -79,9 +79,10 @@ def _same_randomness(compiled: tuple, eager: tuple) -> bool:
 
 
 def run_rank(rank: int, world: int, results: dict) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
     import compile_rng
     from compile_rng import ops
-    from torch.distributed.tensor import Replicate, distribute_tensor
 
     def train_step(model, init, forward, mesh):
         torch.manual_seed(SEED)  # the habit on every rank; it also restarts compile_rng's stream
@@ -133,7 +134,8 @@ def explain_target(world: int = 4):
     """``(forward, (x,))`` of the demo model as rank 0 of a fake ``world``-rank group
     (no communication): what ``python -m compile_rng explain`` reports on."""
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from .torch_internals import fake_store
+
+    from compile_rng._torch.torch_internals import fake_store
 
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())

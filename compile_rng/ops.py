@@ -14,19 +14,28 @@ counters the output's elements get:
 
 Values follow canonical stream v1 (:mod:`compile_rng.stream`). Each op has an eager CPU
 kernel here, a fake kernel for tracing, and an Inductor lowering in
-:mod:`compile_rng.lowering`.
+:mod:`compile_rng.stream.lowering`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import stream
-from .cpu_kernel import FAST_BERNOULLI, FAST_DROPOUT, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32, philox_words
-from .state import UINT64
+from compile_rng import stream
+from compile_rng.stream import accelerator_ops, checks
+from compile_rng.stream.cpu_kernel import (
+    FAST_BERNOULLI,
+    FAST_DROPOUT,
+    FAST_UNIFORM,
+    fast_f32,
+    fast_uniform_ok,
+    normal_f32,
+    philox_words,
+)
 
 _M = stream.TensorMath()
 
@@ -37,19 +46,12 @@ def _key_values(key: torch.Tensor, offset: int) -> tuple[int, int]:
             f"compile_rng: eager kernels run on CPU only (key is on {key.device}); "
             "compile the function with backend='compile_rng' to run on this device"
         )
-    seed, base = (int(v) % UINT64 for v in key.tolist())
-    return seed, (base + offset) % UINT64
-
-
-def _check_layout(op: str, size: Sequence[int], strides: Sequence[int]) -> None:
-    if len(size) != len(strides):
-        raise ValueError(f"compile_rng.{op}: size {list(size)} and strides {list(strides)} differ in rank")
-    if any(s < 0 for s in strides):
-        raise ValueError(f"compile_rng.{op}: counter strides must be non-negative, got {list(strides)}")
+    seed, base = (stream.as_uint64(v) for v in key.tolist())
+    return seed, stream.as_uint64(base + offset)
 
 
 def _words(key, offset, size, strides, op, **kw):
-    _check_layout(op, size, strides)
+    checks.check_layout(op, size, strides)
     seed, base = _key_values(key, offset)
     return philox_words(seed, base, list(size), list(strides), **kw)
 
@@ -66,9 +68,7 @@ def _by_rows(offset: int, size: Sequence[int], strides: Sequence[int], compute, 
     ``tensors`` it covers, so the result equals one call on the whole output.
     """
     size = list(size)
-    numel = 1
-    for s in size:
-        numel *= s
+    numel = math.prod(size)
     if numel <= CHUNK or not size:
         return compute(offset, size, *tensors)
     rows, inner = size[0], numel // size[0]
@@ -85,31 +85,11 @@ def _by_rows(offset: int, size: Sequence[int], strides: Sequence[int], compute, 
     return out if isinstance(part, tuple) else out[0]
 
 
-def _contiguous_stream(size: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether element ``i`` (row-major) has counter ``base + i``: the fast-path layout."""
-    expected = 1
-    for s, st in zip(reversed(list(size)), reversed(list(strides))):
-        if s != 1 and st != expected:
-            return False
-        expected *= s
-    return True
-
-
 def _fast(op: int, key: torch.Tensor, offset: int, size: Sequence[int], **kw) -> tuple[torch.Tensor, Any]:
     seed, base = _key_values(key, offset)
-    numel = 1
-    for s in size:
-        numel *= s
+    numel = math.prod(size)
     out, mask = fast_f32(op, numel, seed, base, **kw)
     return out.view(list(size)), (mask.view(list(size)) if mask is not None else None)
-
-
-def _check_float(op: str, dtype: torch.dtype) -> None:
-    if dtype not in stream.FLOAT_DTYPES:
-        raise TypeError(
-            f"compile_rng.{op}: dtype {dtype} is not supported; use one of "
-            f"{', '.join(str(d) for d in stream.FLOAT_DTYPES)}"
-        )
 
 
 def _empty(key: torch.Tensor, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -125,8 +105,8 @@ def uniform(
     low: float, high: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
-    _check_float("uniform", dtype)
-    if dtype == torch.float32 and _contiguous_stream(size, strides) and fast_uniform_ok(high):
+    checks.check_float("uniform", dtype)
+    if dtype == torch.float32 and stream.contiguous_stream(size, strides) and fast_uniform_ok(high):
         return _fast(FAST_UNIFORM, key, offset, size, low=low, high=high)[0]
 
     def compute(off, sz):
@@ -151,7 +131,7 @@ def uniform_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequen
     """Eager ``uniform`` written straight into ``out`` when the C kernel can (float32,
     contiguous, counters ``base + i``); returns whether it did. Same values as
     :func:`uniform`."""
-    if not (dtype == torch.float32 and _writable(out, size) and _contiguous_stream(size, strides) and fast_uniform_ok(high)):
+    if not (dtype == torch.float32 and _writable(out, size) and stream.contiguous_stream(size, strides) and fast_uniform_ok(high)):
         return False
     seed, base = _key_values(key, offset)
     fast_f32(FAST_UNIFORM, out.numel(), seed, base, low=low, high=high, out=out)
@@ -167,8 +147,8 @@ def normal(
     mean: float, std: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Normal values (Box-Muller, canonical lanes)."""
-    _check_float("normal", dtype)
-    _check_layout("normal", size, strides)
+    checks.check_float("normal", dtype)
+    checks.check_layout("normal", size, strides)
     if dtype != torch.float64:  # computed in float32: the C kernel, for every layout
         seed, base = _key_values(key, offset)
         return normal_f32(seed, base, list(size), list(strides), mean, std).to(dtype)
@@ -186,7 +166,7 @@ def normal_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequenc
     tensor of ``size``; returns whether it did. Same values as :func:`normal`."""
     if not (dtype == torch.float32 and _writable(out, size)):
         return False
-    _check_layout("normal", size, strides)
+    checks.check_layout("normal", size, strides)
     seed, base = _key_values(key, offset)
     normal_f32(seed, base, list(size), list(strides), mean, std, out=out)
     return True
@@ -206,7 +186,7 @@ def exponential(
     lambd: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Exponential values with rate ``lambd``."""
-    _check_float("exponential", dtype)
+    checks.check_float("exponential", dtype)
 
     def compute(off, sz):
         return stream.exponential(_M, _words(key, off, sz, strides, "exponential")[0], dtype, lambd)
@@ -228,7 +208,7 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
-    if dtype == torch.float32 and _contiguous_stream(size, strides):
+    if dtype == torch.float32 and stream.contiguous_stream(size, strides):
         return _fast(FAST_BERNOULLI, key, offset, size, threshold=stream.threshold32(p))[0]
 
     def compute(off, sz):
@@ -266,8 +246,8 @@ def dropout(
     key: torch.Tensor, offset: int, x: torch.Tensor, strides: Sequence[int], p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x * keep / (1 - p), keep)`` like ``aten.native_dropout`` in training mode."""
-    _check_float("dropout", x.dtype)
-    if x.dtype == torch.float32 and x.is_contiguous() and _contiguous_stream(x.shape, strides):
+    checks.check_float("dropout", x.dtype)
+    if x.dtype == torch.float32 and x.is_contiguous() and stream.contiguous_stream(x.shape, strides):
         return _fast(
             FAST_DROPOUT, key, offset, x.shape, threshold=stream.threshold32(1.0 - p),
             scale=stream.dropout_scale(p, torch.float32), x=x,
@@ -294,8 +274,7 @@ def randint(
     low: int, high: int, dtype: torch.dtype,
 ) -> torch.Tensor:
     """Integers in ``[low, high)``; ``high - low`` at most 2**63."""
-    if not 0 < high - low <= 2**63:
-        raise ValueError(f"compile_rng.randint: need 0 < high - low <= 2**63, got [{low}, {high})")
+    checks.check_randint_range(low, high)
     def compute(off, sz):
         w, _ = _words(key, off, sz, strides, "randint")
         w_high = _words(key, off, sz, strides, "randint", c2=1)[0] if stream.needs_high_word(low, high) else None
@@ -332,11 +311,7 @@ def make_key(
     """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement);
     a batched graph's key also holds its ``rows`` ``(start, total)``. One host-to-device
     copy on an accelerator."""
-    def signed(v: int) -> int:
-        v %= UINT64
-        return v - UINT64 if v >= 2**63 else v
-
-    return torch.tensor([signed(seed), signed(base), *(rows or ())], dtype=torch.int64, device=device)
+    return torch.tensor([stream.as_int64(seed), stream.as_int64(base), *(rows or ())], dtype=torch.int64, device=device)
 
 
 #: Eager in-place ``uniform_`` / ``normal_``: functional op -> writer that fills the
@@ -344,12 +319,16 @@ def make_key(
 INTO = {torch.ops.compile_rng.uniform.default: uniform_into, torch.ops.compile_rng.normal.default: normal_into}
 
 
-def _register_accelerator_kernels() -> None:
-    # Here, not in accelerator_ops: the ops must have their CUDA/XPU kernels whoever
-    # imports them first (registering imports no triton).
-    from . import accelerator_ops
+# Here, where the ops are defined: they must have their CUDA/XPU kernels whoever imports
+# them first (registering imports no triton).
+accelerator_ops.register()
 
-    accelerator_ops.register()
-
-
-_register_accelerator_kernels()
+stream.register_implementation(
+    # The C kernel's per-element walk (any layout; words cached per block).
+    stream.Implementation("c-scalar", (((3, 5), (7, 1)), ((2, 3, 4), (40, 8, 1)), ((), ())), lambda fn: fn)
+)
+stream.register_implementation(
+    # The C kernel's vectorized batches of blocks: contiguous float32 streams (uniform,
+    # normal, bernoulli, dropout), with a head and a tail around the batches.
+    stream.Implementation("c-vectorized", (((4, 1027), (1027, 1)),), lambda fn: fn)
+)

@@ -2,7 +2,7 @@
 
 GPT-2 (embedding, attention and residual dropout, SDPA) and Llama (SDPA attention
 dropout, GQA, RoPE) are built from small configs (no weights), in float64, parallelized,
-initialized on the stream (``@compile_rng.init(mode="invariant")``: each rank draws its
+initialized on the stream (``@compile_rng.init(layout="invariant")``: each rank draws its
 shard of the single device's weights), and train with AdamW on a fixed synthetic global batch, with ``compile_rng.step`` around each
 optimizer step and ``compile_rng.backend(layout="invariant", batched=True)`` where
 something is compiled. Each configuration is a parallelism and a way of compiling:
@@ -72,7 +72,7 @@ def build(family: str) -> nn.Module:
     return model
 
 
-@compile_rng.init(mode="invariant", seed=SEED)
+@compile_rng.init(layout="invariant", seed=SEED)
 def init_weights(model: nn.Module) -> None:
     """torchtitan-style init on the stream, after parallelizing: every rank draws its own
     shard of the single device's weights (uneven FSDP2 x TP pieces included)."""

@@ -155,9 +155,9 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     variants = {
-        "tracker": compile_rng.init(init_weights, mode="tracker"),
-        "invariant": compile_rng.init(init_weights, mode="invariant"),
-        "invariant + key=fqn": compile_rng.init(init_weights, mode="invariant", key="fqn"),
+        "tracker": compile_rng.init(init_weights, layout="tracker"),
+        "invariant": compile_rng.init(init_weights, layout="invariant"),
+        "invariant + key=fqn": compile_rng.init(init_weights, layout="invariant", streams="fqn"),
     }
     table, timings = {}, {}
     for variant, init in variants.items():

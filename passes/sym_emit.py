@@ -10,9 +10,8 @@ import operator
 
 import sympy
 import torch
+from compile_rng._torch.torch_internals import CeilDiv, FloorDiv, Mod, PythonMod
 from torch import fx
-
-from compile_rng.torch_internals import CeilDiv, FloorDiv, Mod, PythonMod
 
 
 class SymEmitter:

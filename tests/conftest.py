@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors (read when
-# compile_rng.triton_kernels is imported, so set before any test imports it).
+# compile_rng.stream.triton_kernels is imported, so set before any test imports it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

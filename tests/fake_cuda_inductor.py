@@ -6,7 +6,7 @@ device for its properties and Triton for its active driver, and neither exists h
 module Inductor would compile: the wrapper and the Triton kernels' sources.
 
 Every private torch API the tests use for this lives here, each with its reason (Triton's
-are in :mod:`compile_rng.triton_internals`); checked with torch 2.13.0 (triton 3.8.0, a
+are in :mod:`compile_rng._torch.triton_internals`); checked with torch 2.13.0 (triton 3.8.0, a
 CPU build) and 2.15.0 (triton 3.9.0, a CUDA build with no driver). The patches last only
 for the call.
 """
@@ -35,7 +35,7 @@ H100 = dict(major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor
 def _an_h100() -> Iterator[None]:
     from torch._dynamo.device_interface import get_interface_for_device
 
-    from compile_rng import triton_internals
+    from compile_rng._torch import triton_internals
 
     props = types.SimpleNamespace(name="NVIDIA H100 (fake)", total_memory=80 << 30, gcnArchName="", **H100)
     interface = get_interface_for_device("cuda")

@@ -22,7 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 import compile_rng
-from compile_rng import dispatch_modes, dynamo_backend, torch_internals, tracker
+from compile_rng.eager import dispatch_modes, tracker
+from compile_rng.compiled import key_input
+from compile_rng._torch import torch_internals
 
 WORLD = 4
 aten = torch.ops.aten
@@ -74,7 +76,7 @@ def test_a_cuda_graph_gets_a_cuda_key_and_only_functional_ops():
     with FakeTensorMode():
         x = torch.empty(3, 4, device="cuda")
     gm = torch.fx.symbolic_trace(f)
-    assert dynamo_backend._graph_device(gm, [x]) == torch.device("cuda", 0)
+    assert key_input.graph_device(gm, [x]) == torch.device("cuda", 0)
     be = compile_rng.backend(inner="aot_eager")
     be(gm, [x])
     (plan,) = be.plans
@@ -111,7 +113,7 @@ def test_a_compiled_cuda_graph_calls_the_triton_kernels_not_a_fused_loop():
     pytest.importorskip("triton")
     import fake_cuda_inductor
 
-    from compile_rng import lowering
+    from compile_rng.stream import lowering
 
     assert lowering.FUSED_DEVICE_TYPES == ("cpu",)
     code = fake_cuda_inductor.generated_code(_dropout_graph, _DROPOUT_INPUTS)
@@ -125,7 +127,8 @@ def test_a_compiled_cuda_graph_calls_the_triton_kernels_not_a_fused_loop():
 #: ``ptxas -v``'s resources, the cubin's registers and its SASS length as JSON.
 _AOT_SCRIPT = """
 import importlib.util, json, sys
-from compile_rng import gpu_aot, triton_internals
+from compile_rng.debug import gpu_aot
+from compile_rng._torch import triton_internals
 path, name, meta = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 spec = importlib.util.spec_from_file_location("generated", path)
 module = importlib.util.module_from_spec(spec)
@@ -152,7 +155,8 @@ def test_the_fused_lowerings_cuda_code_is_bitwise_and_compiles_for_sm90(monkeypa
 
     import fake_cuda_inductor
 
-    from compile_rng import lowering, ops
+    from compile_rng.stream import lowering
+    from compile_rng import ops
 
     monkeypatch.setattr(lowering, "FUSED_DEVICE_TYPES", ("cpu", "cuda"))
     code = fake_cuda_inductor.generated_code(lambda key, x: torch.ops.compile_rng.dropout(key, 5, x, [1], 0.3),

@@ -152,7 +152,7 @@ def test_fused_attention_with_dropout_names_the_fix(where):
         run = torch.compile(_fused, backend=compile_rng.backend(inner="aot_eager"))
         assert torch.equal(run(q, k, v, 0.0), _fused(q, k, v, 0.0))
     else:
-        with compile_rng.dispatch_modes.eager_stream():
+        with compile_rng.eager.dispatch_modes.eager_stream():
             with pytest.raises(NotImplementedError, match="math backend") as info:
                 _fused(q, k, v, 0.1)
             assert str(FUSED_CPU) in str(info.value)

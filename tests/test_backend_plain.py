@@ -6,6 +6,7 @@ import reference as ref
 import pytest
 import torch
 import torch.nn.functional as F
+from dtensor_reference import ceil4
 from helpers import ref_tensor
 
 import compile_rng
@@ -24,20 +25,25 @@ def program(x):
     return a, b, c, d, e, f
 
 
-# (offset, advance) of each op above: ceil4(numel) per op, in program order.
-OFFSETS = [0, 16, 44, 72, 100, 108]
-TOTAL = 116
+# numel of each op above, in program order: rand(3, 5); randn_like, dropout and
+# bernoulli over x's (4, 7); uniform_ on (2, 3); randint of (6,)
+NUMELS = [3 * 5, X.numel(), X.numel(), X.numel(), 2 * 3, 6]
+# contract §2: op k advances by ceil4(numel_k) and starts at the sum of the earlier advances
+ADVANCES = [ceil4(n) for n in NUMELS]
+OFFSETS = [sum(ADVANCES[:k]) for k in range(len(ADVANCES))]  # 0, 16, 44, 72, 100, 108
+TOTAL = sum(ADVANCES)  # 116
 
 
 def expected(base: int) -> list:
     c = lambda k, n: [base + OFFSETS[k] + i for i in range(n)]  # noqa: E731
-    a = ref_tensor([ref.uniform01(SEED, n, "float32") for n in c(0, 15)], torch.float32).view(3, 5)
-    b = torch.tensor([ref.normal_std(SEED, n) for n in c(1, 28)], dtype=torch.float64).view(4, 7)
-    keep = torch.tensor([ref.keep_bernoulli(SEED, n, 0.7) for n in c(2, 28)]).view(4, 7)
+    a = ref_tensor([ref.uniform01(SEED, n, "float32") for n in c(0, NUMELS[0])], torch.float32).view(3, 5)
+    b = torch.tensor([ref.normal_std(SEED, n) for n in c(1, NUMELS[1])], dtype=torch.float64).view(4, 7)
+    keep = torch.tensor([ref.keep_bernoulli(SEED, n, 0.7) for n in c(2, NUMELS[2])]).view(4, 7)
     drop = X * keep.float().div_(0.7)
-    d = torch.tensor([float(ref.keep_bernoulli(SEED, n, 0.25)) for n in c(3, 28)]).view(4, 7)
-    e = torch.tensor([ref.uniform01(SEED, n, "float64") * 2 - 1 for n in c(4, 6)], dtype=torch.float64).view(2, 3)
-    f = torch.tensor([ref.randint(SEED, n, 0, 10) for n in c(5, 6)])
+    d = torch.tensor([float(ref.keep_bernoulli(SEED, n, 0.25)) for n in c(3, NUMELS[3])]).view(4, 7)
+    e = torch.tensor([ref.uniform01(SEED, n, "float64") * 2 - 1 for n in c(4, NUMELS[4])],
+                     dtype=torch.float64).view(2, 3)
+    f = torch.tensor([ref.randint(SEED, n, 0, 10) for n in c(5, NUMELS[5])])
     return [a, b, drop, d, e, f]
 
 
@@ -100,7 +106,7 @@ def test_registered_backend_name():
     compile_rng.manual_seed(SEED)
     out = torch.compile(lambda: torch.rand(3, 5), backend="compile_rng")()
     assert torch.equal(out, expected(0)[0])
-    assert compile_rng.get_state() == (SEED, 16)
+    assert compile_rng.get_state() == (SEED, ceil4(3 * 5))  # 16: the one rand(3, 5)
 
 
 def test_inductor_equals_aot_eager_bitwise():
@@ -144,7 +150,7 @@ def test_dropout_backward_uses_the_forward_mask():
     w = torch.randn(6, 10, requires_grad=True)
     compile_rng.manual_seed(SEED)
     torch.compile(loss, backend=compile_rng.backend())(x, w).backward()
-    keep = torch.tensor([ref.keep_bernoulli(SEED, i, 0.6) for i in range(60)]).view(6, 10).float()
+    keep = torch.tensor([ref.keep_bernoulli(SEED, i, 0.6) for i in range(x.numel())]).view(6, 10).float()
     scale = keep / 0.6
     assert torch.equal(w.grad, x.detach() * scale)
     assert torch.equal(x.grad, w.detach() * scale)
@@ -182,7 +188,7 @@ def test_backend_arguments_are_checked(kw):
 
 
 def test_torch_compile_mode_and_options_reach_inductor(monkeypatch):
-    from compile_rng import torch_internals
+    from compile_rng._torch import torch_internals
 
     seen, user_pass_calls = [], []
     real = torch_internals.inductor_compile
@@ -215,9 +221,9 @@ def test_compile_takes_torch_compile_mode_and_the_old_layout_spelling_warns():
     with pytest.warns(DeprecationWarning, match="spell it layout='invariant'"):
         old = compile_rng.compile(lambda: torch.rand(5) * 1, mode="invariant")
     with pytest.warns(DeprecationWarning, match="spell it layout='invariant'"):
-        assert compile_rng.backend(mode="invariant").config.mode == "invariant"
+        assert compile_rng.backend(mode="invariant").config.layout == "invariant"
     new = compile_rng.compile(lambda: torch.rand(5) * 1, layout="invariant", mode="max-autotune-no-cudagraphs")
-    assert old.backend.config.mode == new.backend.config.mode == "invariant"
+    assert old.backend.config.layout == new.backend.config.layout == "invariant"
     outs = []
     for fn in (old, new):
         compile_rng.manual_seed(1)

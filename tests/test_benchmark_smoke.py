@@ -28,7 +28,7 @@ def _table(stdout: str) -> list[dict]:
 def test_bench_random_smoke(tmp_path):
     import torch
 
-    from compile_rng import cpu_kernel
+    from compile_rng.stream import cpu_kernel
 
     out = tmp_path / "bench.json"
     run = subprocess.run(

@@ -157,11 +157,11 @@ def test_a_rank_never_runs_the_graph_another_rank_traced(tmp_path):
 
 
 def test_the_pass_uuid_names_sources_and_layout_not_the_rank():
-    from compile_rng.dynamo_backend import JointPass, source_hash
-    from compile_rng.passes.functionalize_rng import RngPlan
+    from compile_rng.compiled.joint_pass import JointPass, source_hash
+    from compile_rng.passes.plan import RngPlan
 
-    tracker = JointPass(RngPlan(name="g", mode="tracker")).uuid()
+    tracker = JointPass(RngPlan(name="g", layout="tracker")).uuid()
     assert tracker == (source_hash(), "tracker", False, False, None)
-    assert JointPass(RngPlan(name="other", mode="tracker")).uuid() == tracker  # graph names do not matter
-    assert JointPass(RngPlan(name="g", mode="invariant")).uuid() != tracker
-    assert JointPass(RngPlan(name="g", mode="tracker"), user_pass=lambda g: None).uuid() is None  # bypass
+    assert JointPass(RngPlan(name="other", layout="tracker")).uuid() == tracker  # graph names do not matter
+    assert JointPass(RngPlan(name="g", layout="invariant")).uuid() != tracker
+    assert JointPass(RngPlan(name="g", layout="tracker"), user_pass=lambda g: None).uuid() is None  # bypass

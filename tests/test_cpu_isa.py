@@ -1,4 +1,4 @@
-"""Every instruction-set build of the CPU kernel (``compile_rng.cpu_kernel.ISA_FLAGS``)
+"""Every instruction-set build of the CPU kernel (``compile_rng.stream.cpu_kernel.ISA_FLAGS``)
 gives canonical stream v1, bitwise.
 
 Each x86 level this CPU runs (baseline, AVX2, AVX-512) is forced in turn with
@@ -22,8 +22,17 @@ import test_stream_conformance as conformance
 import torch
 
 from compile_rng import ops, stream
-from compile_rng.cpu_kernel import (
-    COMMON_FLAGS, ISA_ENV, ISA_FLAGS, SOURCE, _compiler, _load, isa, normal_f32, philox_words, supported_isas,
+from compile_rng.stream.cpu_kernel import (
+    COMMON_FLAGS,
+    ISA_ENV,
+    ISA_FLAGS,
+    SOURCE,
+    _compiler,
+    _load,
+    isa,
+    normal_f32,
+    philox_words,
+    supported_isas,
 )
 
 SUPPORTED = supported_isas()

@@ -122,11 +122,11 @@ def test_explain_reports_plain_offsets_the_mode_and_module_sources():
         b = torch.randn(300)
         return F.dropout(x, 0.5).sum() + a.sum() + b.sum()
 
-    report = compile_rng.explain(step, torch.ones(2, 8), mode="invariant")
+    report = compile_rng.explain(step, torch.ones(2, 8), layout="invariant")
     # Plain tensors take ceil4(numel) counters each, in program order.
     assert [int(r.offset) for r in report.ops] == [0, 100, 400]
     assert [int(r.advance) for r in report.ops] == [100, 300, 16]
-    assert {r.mode for r in report.ops} == {"invariant"}
+    assert {r.layout for r in report.ops} == {"invariant"}
     rows = str(report).splitlines()[2:5]
     assert [row.split()[-3] for row in rows] == ["0", "100", "400"]  # the offset column
     # nn.Dropout inside nn.Sequential, explained as the function itself: no user frame

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from dtensor_reference import fake_rank, local_zeros, tracker_start
+from dtensor_reference import ceil4, fake_rank, local_zeros, tracker_start
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -80,7 +80,7 @@ def test_op_on_sharded_dtensor(name):
     torch._dynamo.reset()
     be = compile_rng.backend(inner="aot_eager")
     compiled = torch.compile(lambda x: program(x) * 1, backend=be)
-    adv = 48  # ceil4(8 * 6)
+    adv = ceil4(math.prod(GSHAPE))  # 48: one op over the global (8, 6), on every rank
 
     def on_rank(mesh):
         results = []
@@ -177,16 +177,21 @@ def test_other_backend_is_refused_loudly():
 def test_dtensor_rand_and_randn_work_on_cpu_meshes():
     from torch.distributed.tensor import randn, rand
 
+    rows, cols = GSHAPE
+    adv = ceil4(rows * cols)  # 48: each op's advance, from its global (8, 6) shape (§2)
+
     def on_rank(mesh):
         compile_rng.manual_seed(SEED)
-        a = rand(8, 6, device_mesh=mesh, placements=[Shard(0)])
-        b = randn(8, 6, device_mesh=mesh, placements=[Shard(1)])
+        a = rand(rows, cols, device_mesh=mesh, placements=[Shard(0)])
+        b = randn(rows, cols, device_mesh=mesh, placements=[Shard(1)])
         coord = list(mesh.get_coordinate())
-        want_a = ops.uniform(ops.make_key(SEED, tracker_start(a, coord)), 0, [2, 6], [6, 1], 0.0, 1.0, F32)
-        want_b = ops.normal(ops.make_key(SEED, 48 + tracker_start(b, coord)), 0, list(b.to_local().shape),
+        local_a = [rows // WORLD, cols]  # [2, 6]: Shard(0) of 8 rows over 4 ranks
+        want_a = ops.uniform(ops.make_key(SEED, tracker_start(a, coord)), 0, local_a, [cols, 1], 0.0, 1.0, F32)
+        # b is the second op: its range starts where a's ends
+        want_b = ops.normal(ops.make_key(SEED, adv + tracker_start(b, coord)), 0, list(b.to_local().shape),
                             [b.to_local().shape[1], 1], 0.0, 1.0, F32)
         assert torch.equal(a.to_local(), want_a)
         assert torch.equal(b.to_local(), want_b)
-        assert compile_rng.get_state() == (SEED, 96)
+        assert compile_rng.get_state() == (SEED, 2 * adv)  # 96: rand then randn
 
     run_all_ranks(on_rank)

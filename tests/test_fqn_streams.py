@@ -1,4 +1,4 @@
-"""``@compile_rng.init(key="fqn")`` on real init patterns (tests/init_patterns.py):
+"""``@compile_rng.init(streams="fqn")`` on real init patterns (tests/init_patterns.py):
 deterministic, right under a pipeline split, and an error where a draw's owner
 cannot be known."""
 
@@ -13,14 +13,14 @@ from init_patterns import Model, pipeline_stage, snapshot
 from torch import nn
 
 import compile_rng
-from compile_rng import fqn_streams
+from compile_rng.eager import fqn_streams
 from compile_rng.launch import spawn
 
 SEED = 3
 
 
-def fqn_init(seed=None, mode="invariant"):
-    return compile_rng.init(mode=mode, key="fqn", seed=seed)(lambda m: m.init_weights())
+def fqn_init(seed=None, layout="invariant"):
+    return compile_rng.init(layout=layout, streams="fqn", seed=seed)(lambda m: m.init_weights())
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_fresh_process_gives_the_same_values(single_device):
         "import sys, torch, compile_rng; sys.path.insert(0, 'tests');"
         "from init_patterns import Model, snapshot; from test_fqn_streams import digest;"
         f"torch.manual_seed({SEED}); m = Model();"
-        "compile_rng.init(mode='invariant', key='fqn')(lambda m: m.init_weights())(m);"
+        "compile_rng.init(layout='invariant', streams='fqn')(lambda m: m.init_weights())(m);"
         "print(digest(snapshot(m)))"
     )
     root = Path(__file__).parent.parent
@@ -140,7 +140,7 @@ def test_ownerless_draw_copied_into_a_parameter_raises():
         m.w.copy_(tmp * 0.02)
 
     with pytest.raises(RuntimeError, match=r"aten.randn.default at .*test_fqn_streams.py.*writes them into 'w'"):
-        compile_rng.init(key="fqn")(init)(_Tmp())
+        compile_rng.init(streams="fqn")(init)(_Tmp())
 
 
 def test_megatron_master_weight_raises():
@@ -150,7 +150,7 @@ def test_megatron_master_weight_raises():
         torch.cat(torch.split(master, 4, dim=0), dim=0, out=m.w)
 
     with pytest.raises(RuntimeError, match="aten.normal_.default at .*writes them into 'w'"):
-        compile_rng.init(key="fqn")(init)(_Tmp())
+        compile_rng.init(streams="fqn")(init)(_Tmp())
 
 
 def test_parameter_replaced_by_ownerless_draw_raises():
@@ -158,7 +158,7 @@ def test_parameter_replaced_by_ownerless_draw_raises():
         m.w = nn.Parameter(torch.rand(8, 4))
 
     with pytest.raises(RuntimeError, match="'w' was assigned them"):
-        compile_rng.init(key="fqn")(init)(_Tmp())
+        compile_rng.init(streams="fqn")(init)(_Tmp())
 
 
 def test_ownerless_draw_that_stays_temporary_is_fine():
@@ -167,7 +167,7 @@ def test_ownerless_draw_that_stays_temporary_is_fine():
         m.w.normal_(float(noise.sum()) * 0.0, 1.0)
 
     model = _Tmp()
-    compile_rng.init(key="fqn")(init)(model)
+    compile_rng.init(streams="fqn")(init)(model)
     key = compile_rng.ops.make_key(fqn_streams.derive_seed(0, "w"), 0)
     assert torch.equal(model.w, torch.ops.compile_rng.normal(key, 0, [8, 4], [4, 1], 0.0, 1.0, torch.float32))
 
@@ -219,7 +219,7 @@ def _stream(name: str, offset: int, shape: tuple, seed: int = SEED) -> torch.Ten
 
 
 def _in_streams(module: nn.Module, body) -> None:
-    from compile_rng.dispatch_modes import eager_stream
+    from compile_rng.eager.dispatch_modes import eager_stream
 
     with torch.no_grad(), eager_stream(), fqn_streams.fqn_streams([module], seed=SEED):
         body()

@@ -79,7 +79,7 @@ def test_eager_segments_of_compile_rng_compile_stay_on_the_stream():
     for run in ("eager_stream", "compile_rng.compile", "compile_rng.compile again"):
         compile_rng.manual_seed(11)
         if run == "eager_stream":
-            with compile_rng.dispatch_modes.eager_stream():
+            with compile_rng.eager.dispatch_modes.eager_stream():
                 outs = _split_program(x)
         else:
             if run == "compile_rng.compile":
@@ -132,7 +132,7 @@ def test_compile_rng_compile_module_with_a_graph_break_matches_eager_stream():
     compile_rng.manual_seed(5)
     got = compiled(x)
     compile_rng.manual_seed(5)
-    with compile_rng.dispatch_modes.eager_stream():
+    with compile_rng.eager.dispatch_modes.eager_stream():
         want = block(x)
     # dropout and randn_like, each over the (4, 8) activations
     assert torch.equal(got, want) and compile_rng.get_state() == (5, 2 * ceil4(x.numel()))
@@ -144,29 +144,36 @@ def _segments_worker(rank: int, world: int) -> None:
     from dtensor_reference import counters, keep, uniform
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+    global_shape, plain_numel = (8, 3), 6  # x's global shape; the plain rand's size
+
     def program(x):
         a = torch.rand_like(x)
-        plain = torch.compiler.disable(lambda: torch.rand(6))()  # eager, between graphs
+        plain = torch.compiler.disable(lambda: torch.rand(plain_numel))()  # eager, between graphs
         return a, plain, F.dropout(x + 1, 0.5)
 
+    # program order of the draws and what each reserves (ceil4(numel(global)) on every rank):
+    # rand_like(x), the eager rand(6) between graphs, dropout(x + 1)
+    x_advance = ceil4(global_shape[0] * global_shape[1])  # 24
+    advances = [x_advance, ceil4(plain_numel), x_advance]  # 24, 8, 24
+    bases = [sum(advances[:k]) for k in range(len(advances))]  # 0, 24, 32
     mesh = init_device_mesh("cpu", (world,))
-    x = distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)])
+    x = distribute_tensor(torch.zeros(global_shape), mesh, [Shard(0)])
     outs = []
     for run in ("eager", "compiled"):
         compile_rng.manual_seed(21)
         if run == "eager":
-            with compile_rng.dispatch_modes.eager_stream():
+            with compile_rng.eager.dispatch_modes.eager_stream():
                 got = program(x)
         else:
             got = compile_rng.compile(program, inner="aot_eager")(x)
         outs.append([t.to_local() if hasattr(t, "to_local") else t for t in got])
-        assert compile_rng.get_state() == (21, 24 + 8 + 24)
+        assert compile_rng.get_state() == (21, sum(advances))  # 24 + 8 + 24
     for e, c in zip(*outs):
         assert torch.equal(e, c)
     a, plain, b = outs[1]
-    assert torch.equal(a, uniform(21, counters(x, 0), a.shape))
-    assert torch.equal(plain, uniform(21, list(range(24, 30)), (6,)))
-    assert torch.equal(b, keep(21, counters(x, 32), b.shape, 0.5).float() * 2)
+    assert torch.equal(a, uniform(21, counters(x, bases[0]), a.shape))
+    assert torch.equal(plain, uniform(21, list(range(bases[1], bases[1] + plain_numel)), (plain_numel,)))
+    assert torch.equal(b, keep(21, counters(x, bases[2]), b.shape, 0.5).float() * 2)
     gathered = [None] * world
     dist.all_gather_object(gathered, (plain, a))
     assert all(torch.equal(g[0], plain) for g in gathered)  # a plain tensor is a replica

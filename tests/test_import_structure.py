@@ -14,18 +14,22 @@ PACKAGES = {"compile_rng": ROOT / "compile_rng", "compile_rng.passes": ROOT / "p
 
 
 def _modules() -> dict[str, Path]:
-    return {
-        (package if path.stem == "__init__" else f"{package}.{path.stem}"): path
-        for package, folder in PACKAGES.items()
-        for path in sorted(folder.glob("*.py"))
-    }
+    """Dotted name -> file of every module of compile_rng (subpackages included)."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
 
 
-def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """compile_rng modules ``name`` imports when it is executed (not inside functions)."""
+def _imports(name: str, path: Path, known: set[str], inside_functions: bool = False) -> set[str]:
+    """compile_rng modules ``name`` imports when it is executed (not inside functions),
+    or, with ``inside_functions``, anywhere in it."""
     package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree) if inside_functions else tree.body:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -69,8 +73,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     modules = _modules()
-    graph = {name: _top_level_imports(name, path, set(modules)) for name, path in modules.items()}
+    assert "compile_rng.stream.state" in modules and "compile_rng.passes.functionalize_rng" in modules
+    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_the_stream_contract_is_a_leaf():
+    """The contract imports no compile_rng module, not even inside a function: its
+    implementations register themselves (``stream.register_implementation``)."""
+    modules = _modules()
+    assert _imports("compile_rng.stream", modules["compile_rng.stream"], set(modules), inside_functions=True) == set()
 
 
 def test_the_cycle_finder_finds_one():

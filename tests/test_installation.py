@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compile_rng
-from compile_rng import installation
+from compile_rng._torch import installation
 
 
 def _fresh(code: str) -> str:
@@ -33,7 +33,7 @@ def test_import_pulls_in_neither_dynamo_nor_dtensor():
 
 _CHECK_INSTALLED = """
     import torch.distributed.tensor._random as dtensor_random
-    from compile_rng import tracker
+    from compile_rng.eager import tracker
     assert dtensor_random._rng_tracker is tracker.TRACKER
     assert dtensor_random.is_rng_supported_mesh(type("M", (), {"device_type": "cpu"})())
     print("installed")
@@ -44,9 +44,9 @@ _CHECK_INSTALLED = """
     "first",
     [
         "import compile_rng; import torch.distributed.tensor",
-        "import compile_rng; import compile_rng.tracker",
+        "import compile_rng; import compile_rng.eager.tracker",
         "import torch.distributed.tensor; import compile_rng",
-        "import compile_rng.tracker",
+        "import compile_rng.eager.tracker",
         "import compile_rng; compile_rng.uninstall(); import torch.distributed.tensor; compile_rng.install()",
     ],
     ids=["dtensor-after", "tracker-module-after", "dtensor-before", "tracker-module-first", "reinstalled"],
@@ -82,14 +82,14 @@ def test_compiled_caller_graph_breaks_on_trunc_normal_captured_before_dynamo():
 def test_uninstall_gives_torch_back_and_install_restores():
     import torch.distributed.tensor._random as dtensor_random
 
-    from compile_rng import tracker
+    from compile_rng.eager import tracker
 
     compile_rng.uninstall()
     try:
         assert not installation.installed() and not tracker.installed()
         assert not getattr(torch.random.manual_seed, "_compile_rng_hook", False)
         assert not getattr(torch.manual_seed, "_compile_rng_hook", False)
-        assert torch.nn.init.trunc_normal_ is compile_rng.trunc_normal._TORCH_TRUNC_NORMAL
+        assert torch.nn.init.trunc_normal_ is compile_rng.eager.trunc_normal._TORCH_TRUNC_NORMAL
         assert dtensor_random._rng_tracker is not tracker.TRACKER
         assert not dtensor_random.is_rng_supported_mesh(type("M", (), {"device_type": "cpu"})())
         before = compile_rng.get_state()
@@ -99,7 +99,7 @@ def test_uninstall_gives_torch_back_and_install_restores():
     finally:
         compile_rng.install()
     assert getattr(torch.random.manual_seed, "_compile_rng_hook", False)
-    assert torch.nn.init.trunc_normal_ is compile_rng.trunc_normal.trunc_normal_
+    assert torch.nn.init.trunc_normal_ is compile_rng.eager.trunc_normal.trunc_normal_
     assert tracker.installed() and dtensor_random._rng_tracker is tracker.TRACKER
     torch.manual_seed(5)
     assert compile_rng.get_state() == (5, 0)

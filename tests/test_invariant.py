@@ -2,7 +2,7 @@
 placement list and world size, and equals the canonical stream at global indices.
 
 Fake-process-group sweep; each case runs every rank eagerly (under
-compile_rng.mode("invariant")) and compiled (backend(layout="invariant"), one graph per
+compile_rng.layout("invariant")) and compiled (backend(layout="invariant"), one graph per
 local shape), assembles the full tensors from the local shards at the global offsets
 torch computes, and compares them with the world-size-1 run of the same program on a
 plain tensor.
@@ -59,7 +59,7 @@ def single_device():
     """The world-size-1 result: the same program on a plain tensor, compiled."""
     torch._dynamo.reset()
     compile_rng.manual_seed(SEED)
-    with compile_rng.mode("invariant"):
+    with compile_rng.layout("invariant"):
         fn = torch.compile(program, backend=compile_rng.backend(layout="invariant", inner="aot_eager"))
         out = fn(torch.zeros(G))
     state = compile_rng.get_state()
@@ -94,7 +94,7 @@ def test_full_tensor_is_sharding_invariant(single_device, case, inner):
         with fake_rank(rank, world):
             mesh = DeviceMesh("cpu", torch.arange(world).view(mesh_shape))
             compile_rng.manual_seed(SEED)
-            with compile_rng.mode("invariant"):
+            with compile_rng.layout("invariant"):
                 outs = run(local_zeros(G, mesh, placements))
             assert compile_rng.get_state() == want_state
             shape, offset = compute_local_shape_and_global_offset(G, mesh, placements)
@@ -114,7 +114,7 @@ def test_init_decorator_on_meta_built_tp_and_plain_modules():
             self.up = nn.Linear(8, 12)
             self.down = nn.Linear(12, 8)
 
-    @compile_rng.init(mode="invariant", inner="aot_eager")
+    @compile_rng.init(layout="invariant", inner="aot_eager")
     def init_weights(model):
         for m in (model.up, model.down):
             nn.init.trunc_normal_(m.weight, std=0.02)
@@ -152,7 +152,7 @@ def test_tracker_mode_differs_from_invariant_when_sharded():
             with fake_rank(rank, world):
                 mesh = DeviceMesh("cpu", list(range(world)))
                 compile_rng.manual_seed(SEED)
-                with compile_rng.mode(mode):
+                with compile_rng.layout(mode):
                     w = local_zeros(G, mesh, [Shard(1)])
                     nn.init.uniform_(w)
                 full[:, rank * 4:(rank + 1) * 4] = w.to_local()
@@ -169,7 +169,7 @@ def test_init_decorator_compiles_whole_graphs_and_matches_eager():
     outs = []
     for compile in ("auto", False):
         torch._dynamo.reset()
-        fn = compile_rng.init(init_fn, mode="invariant", inner="aot_eager", compile=compile)
+        fn = compile_rng.init(init_fn, layout="invariant", inner="aot_eager", compile=compile)
         compile_rng.manual_seed(SEED)
         w, b = torch.zeros(G), torch.zeros(7)
         fn(w, b)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import compile_rng
-from compile_rng.dispatch_modes import eager_stream
+from compile_rng.eager.dispatch_modes import eager_stream
 
 SEED = 5
 B, S, D, H = 2, 4, 8, 4  # heads of 2 features: 2 heads per rank on 2 ranks
@@ -84,7 +84,7 @@ def _run(model: nn.Module, x: torch.Tensor, layout: str, how: str):
         assert layout == "invariant"
         with compile_rng.step(x.shape[0]):
             return model(x)
-    with compile_rng.mode(layout), eager_stream():
+    with compile_rng.layout(layout), eager_stream():
         return model(x)
 
 
@@ -200,7 +200,7 @@ def test_a_piece_returned_by_a_graph_is_drawn_on_its_layout_in_eager_code(rank):
         model = _tensor_parallel(_Broken(in_graph=False), rank)
         compiled = compile_rng.compile(model, layout="invariant")
         compile_rng.manual_seed(SEED)
-        with compile_rng.mode("invariant"):
+        with compile_rng.layout("invariant"):
             out = compiled(_input())
     assert torch.equal(out != 0, expected != 0)
 

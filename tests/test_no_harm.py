@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compile_rng
-from compile_rng import tracker
+from compile_rng.eager import tracker
 
 
 @pytest.mark.parametrize("seed_with", ["torch.manual_seed", "compile_rng.manual_seed"])

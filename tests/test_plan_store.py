@@ -1,5 +1,5 @@
 """AOTAutograd's cache serves compile_rng graphs: a hit returns the graph untraced, and
-the backend loads the plan the compile that ran the pass filed (compile_rng.plan_store).
+the backend loads the plan the compile that ran the pass filed (compile_rng.compiled.plan_store).
 
 In one process, with a fresh Inductor cache folder: the first compile runs the pass and
 files its plan; after ``torch._dynamo.reset()`` the same program hits AOTAutograd's
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import compile_rng
-from compile_rng import ops, plan_store
-from compile_rng.passes.functionalize_rng import RewrittenOp, RngPlan
+from compile_rng import ops
+from compile_rng.compiled import plan_store
+from compile_rng.passes.plan import RewrittenOp, RngPlan
 
 SEED = 5
 
@@ -58,14 +59,14 @@ def _compile_and_run(x: torch.Tensor) -> tuple[torch.Tensor, RngPlan, dict]:
 def test_a_cache_hit_loads_the_plan_the_pass_filed(cache_dir):
     x = torch.randn(6, 5)
     first, plan, aot = _compile_and_run(x)
-    assert aot.get("autograd_cache_miss") == 1 and plan.pass_runs >= 1 and not plan.cached
+    assert aot.get("autograd_cache_miss") == 1 and plan.pass_runs >= 1 and not plan.loaded_from_cache
     assert torch.equal(first, reference(x, 0))
     assert compile_rng.get_state() == (SEED, 2 * ceil4(30))
 
     torch._dynamo.reset()
     x = torch.randn(7, 5)  # another size: the advance is the filed expression at 35 elements
     got, cached, aot = _compile_and_run(x)
-    assert aot.get("autograd_cache_hit") == 1 and cached.pass_runs == 0 and cached.cached
+    assert aot.get("autograd_cache_hit") == 1 and cached.pass_runs == 0 and cached.loaded_from_cache
     assert torch.equal(got, reference(x, 0))
     assert compile_rng.get_state() == (SEED, 2 * ceil4(35))
     # the plan as the pass recorded it: ops, offsets, advance and code (no meshes)
@@ -81,12 +82,12 @@ def test_a_hit_without_a_filed_plan_compiles_again(cache_dir):
     x = torch.randn(6, 5)
     got, plan, aot = _compile_and_run(x)
     # the AOTAutograd hit had no plan: the backend compiled again without that cache
-    assert aot.get("autograd_cache_hit") == 1 and plan.pass_runs >= 1 and not plan.cached
+    assert aot.get("autograd_cache_hit") == 1 and plan.pass_runs >= 1 and not plan.loaded_from_cache
     assert torch.equal(got, reference(x, 0))
     assert compile_rng.get_state() == (SEED, 2 * ceil4(30))
     torch._dynamo.reset()  # that compile filed the plan under the hit's key
     got, plan, aot = _compile_and_run(x)
-    assert aot.get("autograd_cache_hit") == 1 and plan.cached and torch.equal(got, reference(x, 0))
+    assert aot.get("autograd_cache_hit") == 1 and plan.loaded_from_cache and torch.equal(got, reference(x, 0))
 
 
 def test_an_unreadable_plan_compiles_again(cache_dir):
@@ -105,7 +106,7 @@ def test_verify_compiles_run_the_pass(cache_dir):
     torch._dynamo.reset()
     be = compile_rng.backend(verify=True)
     torch.compile(program, backend=be, dynamic=True)(torch.randn(6, 5))
-    assert be.plans[-1].pass_runs >= 1 and not be.plans[-1].cached
+    assert be.plans[-1].pass_runs >= 1 and not be.plans[-1].loaded_from_cache
 
 
 def test_filed_symbols_are_renamed_to_the_asking_graphs_inputs(cache_dir):
@@ -128,7 +129,7 @@ def test_the_mesh_cache_key_is_rank_free_inside_compile_rng_compiles_only():
     from torch._library.fake_class_registry import FakeScriptObject
     from torch.distributed.device_mesh import DeviceMesh
 
-    from compile_rng import torch_internals
+    from compile_rng._torch import torch_internals
 
     def key_bytes(rank: int) -> bytes:
         with fake_rank(rank, 4):

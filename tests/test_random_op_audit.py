@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dtensor_reference import ceil4
 
 import compile_rng
-from compile_rng.random_ops import INPLACE, RULES, draws, unsupported
+from compile_rng.semantics.random_ops import INPLACE, RULES, draws, unsupported
 
 aten = torch.ops.aten
 

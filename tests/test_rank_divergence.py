@@ -10,10 +10,13 @@ from compile_rng.launch import spawn
 
 
 def _verify_worker(rank: int, world: int, scenario: str) -> None:
+    from dtensor_reference import ceil4
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+    global_shape = (8, 4)
+    per_op = ceil4(global_shape[0] * global_shape[1])  # 32: one rand_like over the global (8, 4), every rank
     mesh = init_device_mesh("cpu", (world,))
-    x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+    x = distribute_tensor(torch.zeros(global_shape), mesh, [Shard(0)])
     compile_rng.manual_seed(7 + rank if scenario == "seeds" else 7)
     if scenario == "extra-op":
         # Both ranks run the first eager op on the mesh (it checks that they agree), then
@@ -28,7 +31,12 @@ def _verify_worker(rank: int, world: int, scenario: str) -> None:
         message = str(e)
     else:
         message = ""
-    expected = {"seeds": "seed: ranks [0] have 7; ranks [1] have 8", "extra-op": "offset: ranks [0] have 32; ranks [1] have 64", "agree": ""}
+    expected = {
+        "seeds": "seed: ranks [0] have 7; ranks [1] have 8",  # manual_seed(7 + rank)
+        # rank 0 ran one rand_like before the call, rank 1 two
+        "extra-op": f"offset: ranks [0] have {per_op}; ranks [1] have {2 * per_op}",
+        "agree": "",
+    }
     assert expected[scenario] in message and bool(message) == bool(expected[scenario]), message
 
 
@@ -39,7 +47,7 @@ def test_verify_names_the_diverging_ranks_on_every_rank(scenario):
 
 
 def test_verify_env_variable(monkeypatch):
-    from compile_rng import verify
+    from compile_rng.semantics import verify
 
     monkeypatch.setenv("COMPILE_RNG_VERIFY", "1")
     assert verify.enabled(False)
@@ -48,20 +56,24 @@ def test_verify_env_variable(monkeypatch):
 
 
 def _outside_sub_mesh_worker(rank: int, world: int) -> None:
-    from dtensor_reference import uniform
+    from dtensor_reference import ceil4, uniform
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 
     sub = DeviceMesh("cpu", [0])  # rank 1 is not in it
     local = torch.zeros(4, 3) if rank == 0 else torch.zeros(0)
     t = DTensor.from_local(local, sub, [Replicate()], run_check=False)
+    # rank 0 runs three ops over the replicated (4, 3): rand_like, exponential_, compiled rand_like
+    numel = 4 * 3
+    per_op = ceil4(numel)  # 12
     compile_rng.manual_seed(4)
     eager = [torch.rand_like(t), t.clone().exponential_()]
     compiled = torch.compile(lambda u: torch.rand_like(u), backend=compile_rng.backend(inner="aot_eager"))(t)
     if rank == 0:
-        assert torch.equal(eager[0].to_local(), uniform(4, list(range(12)), (4, 3)))
-        assert torch.equal(compiled.to_local(), uniform(4, list(range(24, 36)), (4, 3)))
-        assert compile_rng.get_state() == (4, 36)
+        assert torch.equal(eager[0].to_local(), uniform(4, list(range(numel)), (4, 3)))
+        third = 2 * per_op  # 24: the compiled op starts after the two eager ops' ranges
+        assert torch.equal(compiled.to_local(), uniform(4, list(range(third, third + numel)), (4, 3)))
+        assert compile_rng.get_state() == (4, 3 * per_op)  # 36
     else:  # documented: a rank outside the op's mesh runs nothing and keeps its state
         assert all(o.to_local().numel() == 0 for o in (*eager, compiled))
         assert compile_rng.get_state() == (4, 0)
@@ -69,7 +81,8 @@ def _outside_sub_mesh_worker(rank: int, world: int) -> None:
     world_mesh = init_device_mesh("cpu", (world,))
     w = DTensor.from_local(torch.zeros(2), world_mesh, [Replicate()], run_check=False)
     fn = torch.compile(lambda u: torch.rand_like(u), backend=compile_rng.backend(inner="aot_eager", verify=True))
-    with pytest.raises(RuntimeError, match=r"offset: ranks \[0\] have 36; ranks \[1\] have 0"):
+    # rank 0 is 3 * per_op ahead; rank 1, outside the sub-mesh, is still at 0
+    with pytest.raises(RuntimeError, match=rf"offset: ranks \[0\] have {3 * per_op}; ranks \[1\] have 0"):
         fn(w)
 
 

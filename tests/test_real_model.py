@@ -2,7 +2,7 @@
 attention with attention dropout, RoPE buffers, its own ``init_weights``), built on the
 meta device as large-model stacks do, then materialized and initialized.
 
-* init under ``@compile_rng.init(mode="invariant", key="fqn")``: every parameter and
+* init under ``@compile_rng.init(layout="invariant", streams="fqn")``: every parameter and
   buffer bitwise equal to the single-device init under TP=2, FSDP=2 and a 2-stage
   pipeline split whose stages are seeded apart (``seed + pp_rank``, ``seed=`` given);
   the whole table configuration x mode is computed and its expected pattern asserted;
@@ -71,9 +71,9 @@ def hf_init(model: nn.Module) -> None:
 
 
 MODES = {
-    "tracker": compile_rng.init(mode="tracker", compile=False, seed=SEED)(hf_init),
-    "invariant": compile_rng.init(mode="invariant", compile=False, seed=SEED)(hf_init),
-    "invariant + key=fqn": compile_rng.init(mode="invariant", key="fqn", seed=SEED)(hf_init),
+    "tracker": compile_rng.init(layout="tracker", compile=False, seed=SEED)(hf_init),
+    "invariant": compile_rng.init(layout="invariant", compile=False, seed=SEED)(hf_init),
+    "invariant + key=fqn": compile_rng.init(layout="invariant", streams="fqn", seed=SEED)(hf_init),
 }
 init = MODES["invariant + key=fqn"]
 

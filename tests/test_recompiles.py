@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 import compile_rng
-from compile_rng import tracker
+from compile_rng.compiled import pending_key
 
 
 def _live(kind: type) -> int:
@@ -44,7 +44,7 @@ def test_many_compiles_leave_no_trace_time_data_behind():
             assert out.to_local().shape == (rows // 2, 4)
             del x, out
             torch._dynamo.reset()
-            sites.append(_live(tracker.Site))
+            sites.append(_live(pending_key.Site))
     assert len(backend.plans) == 5 and all(len(p.ops) == 1 for p in backend.plans)  # the pass saw every site
     # Flat: graphs compiled elsewhere in the session may still be alive, these are not.
     assert sites == [sites[0]] * 5, sites

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from dtensor_reference import ceil4
 
 import compile_rng
 from compile_rng.launch import spawn
@@ -33,21 +34,26 @@ def test_state_dict_round_trip_and_errors():
 
 
 def test_fork_rng_forks_the_stream():
+    # Offsets the test moves the stream to. Any reachable offset (a multiple of 4, §2)
+    # works; what matters is that each differs from the state it would fall back to if
+    # the fork (or its absence) were wrong: `moved` != the seeded 0, `moved_again` != `moved`.
+    moved = ceil4(20 * 20)  # 400: where a torch.rand(20, 20) from offset 0 leaves the stream
+    moved_again = 2 * moved  # 800
     compile_rng.manual_seed(5)
     with torch.random.fork_rng():
-        compile_rng.set_state(5, 400)
+        compile_rng.set_state(5, moved)
         torch.manual_seed(9)
     assert compile_rng.get_state() == (5, 0)
     with torch.random.fork_rng(enabled=False):
-        compile_rng.set_state(5, 400)
-    assert compile_rng.get_state() == (5, 400)
+        compile_rng.set_state(5, moved)
+    assert compile_rng.get_state() == (5, moved)
     stock = torch.random.fork_rng
     compile_rng.uninstall()
     try:
         assert torch.random.fork_rng is not stock
         with torch.random.fork_rng():
-            compile_rng.set_state(5, 800)
-        assert compile_rng.get_state() == (5, 800)  # stock torch: the stream is not forked
+            compile_rng.set_state(5, moved_again)
+        assert compile_rng.get_state() == (5, moved_again)  # stock torch: the stream is not forked
     finally:
         compile_rng.install()
 
@@ -56,11 +62,13 @@ def test_stream_state_without_a_process_group_and_per_rank_keys():
     compile_rng.manual_seed(4)
     plain = compile_rng.StreamState()
     assert plain.state_dict() == compile_rng.state_dict()
-    compile_rng.set_state(4, 12)
+    # any reachable offset other than the 0 that manual_seed(0) below leaves would do
+    saved_offset = ceil4(3 * 3)  # 12: where a torch.rand(3, 3) from offset 0 leaves the stream
+    compile_rng.set_state(4, saved_offset)
     saved = plain.state_dict()
     compile_rng.manual_seed(0)
     compile_rng.StreamState(per_rank=True).load_state_dict(saved)  # no process group: this rank's own
-    assert compile_rng.get_state() == (4, 12)
+    assert compile_rng.get_state() == (4, saved_offset)
 
 
 # --- real ranks, real DCP ---------------------------------------------------------------

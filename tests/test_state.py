@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import compile_rng
-from compile_rng import state
+from compile_rng.stream import state
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**63, 2**64 - 1])

@@ -16,6 +16,7 @@ import torch
 from helpers import f32, ref_tensor
 
 from compile_rng import ops, stream
+from compile_rng.stream import accelerator_ops, lowering  # noqa: F401  (each registers its implementation)
 
 # (seed, base): both halves of the key, a block-index carry across 2**32, counters past
 # 2**63 with a seed past 2**63, the counter wrapping past 2**64 inside an op.
@@ -82,6 +83,10 @@ def _check(got: dict, seed: int, counters: list[int], p: torch.Tensor, x: torch.
     assert torch.equal(got["drop"], x * noise.div_(1 - P_DROP))
     assert got["int"].flatten().tolist() == [ref.randint(seed, c, -5, 11) for c in counters]
     assert got["int_big"].flatten().tolist() == [ref.randint(seed, c, -(2**40), 2**41) for c in counters]
+
+
+def test_every_implementation_registers_itself():
+    assert sorted(impl.name for impl in stream.IMPLEMENTATIONS) == ["c-scalar", "c-vectorized", "inductor-lowering", "triton"]
 
 
 @pytest.mark.parametrize("impl", stream.IMPLEMENTATIONS, ids=lambda i: i.name)

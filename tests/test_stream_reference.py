@@ -9,7 +9,7 @@ from helpers import BASES, SEEDS, f32, ref_tensor
 
 import compile_rng
 from compile_rng import ops
-from compile_rng.cpu_kernel import philox_words
+from compile_rng.stream.cpu_kernel import philox_words
 
 # (size, counter strides): contiguous streams, 0-d, empty, odd sizes, and a shard-like
 # layout whose strides come from a larger global tensor.
@@ -203,7 +203,7 @@ def test_normal_batches_and_tails_match_reference(base):
     expected = torch.tensor([ref.normal_std(seed, (base + i) % 2**64) for i in range(1000)], dtype=torch.float64)
     assert (out.double().flatten() - expected).abs().max() < 2e-4
     # bitwise: the batch path (one Box-Muller per word pair) == the per-element path
-    from compile_rng.cpu_kernel import normal_f32_at
+    from compile_rng.stream.cpu_kernel import normal_f32_at
 
     assert torch.equal(out.flatten(), normal_f32_at(seed, base, torch.arange(1000), 0.0, 1.0))
     strided = ops.normal(ops.make_key(seed, base), 0, [8, 125], [250, 2], 0.0, 1.0, torch.float32)
@@ -216,7 +216,7 @@ def test_normal_batches_and_tails_match_reference(base):
 def test_eager_in_place_fill_equals_the_functional_op(op):
     # contiguous float32 targets are filled in place by the C kernel; others take the
     # functional op and a copy: both must give the functional op's values
-    from compile_rng import dispatch_modes
+    from compile_rng.eager import dispatch_modes
 
     base = torch.zeros(6, 40)
     targets = {"contiguous": base[:3], "strided": base[3:, ::2], "float64": torch.zeros(3, 40, dtype=torch.float64)}

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import compile_rng
-from compile_rng.dispatch_modes import eager_stream
+from compile_rng.eager.dispatch_modes import eager_stream
 
 SEED = 7
 P = 0.3
@@ -50,7 +50,7 @@ CASES = [
 
 
 def make_program(trunc_std: float):
-    @compile_rng.init(mode="invariant")
+    @compile_rng.init(layout="invariant")
     def program(w):
         nn.init.uniform_(w, -1.0, 1.0)
         a = w.clone()
@@ -142,7 +142,7 @@ def _assembled(case, run) -> list[torch.Tensor]:
 
 def _on_one_device(fn, shape) -> list[torch.Tensor]:
     compile_rng.manual_seed(SEED)
-    with compile_rng.mode("invariant"), eager_stream():
+    with compile_rng.layout("invariant"), eager_stream():
         return fn(torch.zeros(shape))
 
 
@@ -169,7 +169,7 @@ def test_compiled_graphs_draw_the_single_device_tensor(inner, case):
 def test_compiled_init_draws_the_single_device_tensor():
     case = next(c for c in CASES if c[0] == "3x2 rows 13, pieces")
 
-    @compile_rng.init(mode="invariant", compile=True)
+    @compile_rng.init(layout="invariant", compile=True)
     def init(w):
         nn.init.uniform_(w, -1.0, 1.0)
         return (w.clone(),)

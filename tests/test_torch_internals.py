@@ -1,7 +1,7 @@
 """The private-torch boundary, enforced on the syntax tree of every module.
 
-:mod:`compile_rng.torch_internals` is the one home of every private read (torch's, and the
-one private stdlib function compile_rng calls); :mod:`compile_rng.installation` is the one
+:mod:`compile_rng._torch.torch_internals` is the one home of every private read (torch's, and the
+one private stdlib function compile_rng calls); :mod:`compile_rng._torch.installation` is the one
 module that changes torch. Every module of ``compile_rng/`` and ``passes/`` is parsed
 (:mod:`ast`), and the scan fails, naming ``file:line``, on:
 
@@ -13,8 +13,8 @@ module that changes torch. Every module of ``compile_rng/`` and ``passes/`` is p
    and ``class`` names, assigned names, arguments, import aliases, ``self._x`` stored in a
    method of a class that does not derive from torch, and ``f._x`` stored on a function or
    class the module defines;
-2. **a private import** - ``import a._b``, ``from a._b import c``, ``from a import _b`` (relative
-   imports of compile_rng's own modules excepted) - or a string naming a private torch module
+2. **a private import** - ``import a._b``, ``from a._b import c``, ``from a import _b`` (the
+   homes' own package, ``compile_rng._torch``, excepted) - or a string naming a private torch module
    (``"torch._dynamo"``: ``importlib.import_module``, loggers);
 3. **Dynamo's undocumented fields**: a string holding a Dynamo source (``L['x']``), and the
    names in ``torch_internals.UNDOCUMENTED_FIELDS`` as attributes or strings;
@@ -47,12 +47,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_rng import torch_internals
+from compile_rng._torch import torch_internals
 
 ROOT = Path(__file__).parent.parent
-HOME = "compile_rng/torch_internals.py"
-TRITON_HOME = "compile_rng/triton_internals.py"
-INSTALLER = "compile_rng/installation.py"
+HOME = "compile_rng/_torch/torch_internals.py"
+TRITON_HOME = "compile_rng/_torch/triton_internals.py"
+INSTALLER = "compile_rng/_torch/installation.py"
 MUTATORS = frozenset({
     "pop", "popitem", "clear", "update", "setdefault", "__setitem__", "__delitem__", "__setattr__",
     "__delattr__", "append", "extend", "insert", "remove", "add", "discard",
@@ -97,15 +97,15 @@ class Module:
                     bound = alias.asname or top
                     if top == "torch":
                         module.torch_names.add(bound)
-                    elif alias.name == "compile_rng.torch_internals":
+                    elif alias.name == "compile_rng._torch.torch_internals":
                         module.home_names.add(bound)
             elif isinstance(node, ast.ImportFrom):
                 names = {a.asname or a.name for a in node.names}
                 if node.level == 0 and (node.module or "").split(".")[0] == "torch":
                     module.torch_names |= names
-                elif node.module in ("torch_internals", "compile_rng.torch_internals"):
+                elif node.module in ("torch_internals", "compile_rng._torch.torch_internals"):
                     module.home_names |= names
-                elif node.level > 0 and node.module is None and "torch_internals" in names:
+                elif node.module == "compile_rng._torch" and "torch_internals" in names:
                     module.home_names.add("torch_internals")
         if path == HOME:  # its own functions are the accessors of torch's state
             module.home_names |= {n.name for n in module.tree.body if isinstance(n, ast.FunctionDef)}
@@ -295,6 +295,8 @@ def boundary_violations(modules: list[Module]) -> list[str]:
                             report(node, "private import", f"import {alias.name}")
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
                     parts = (node.module or "").split(".")
+                    if parts[:2] == ["compile_rng", "_torch"]:
+                        parts = parts[2:]  # compile_rng's private package: the home itself
                     private = [a.name for a in node.names if _private(a.name)]
                     if any(_private(p) for p in parts) or private:
                         report(node, "private import", f"from {node.module} import {', '.join(a.name for a in node.names)}")
@@ -359,8 +361,8 @@ import torch
 import torch._dynamo.config
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
-from . import torch_internals
-from .torch_internals import OffsetBasedRNGTracker, dtensor_op_handlers
+from compile_rng._torch import torch_internals
+from compile_rng._torch.torch_internals import OffsetBasedRNGTracker, dtensor_op_handlers
 
 aten = torch.ops.aten
 

@@ -1,8 +1,8 @@
 """The Triton kernels compile for the GPUs users have, checked without a GPU.
 
 Triton compiles ahead of time for a named GPU with no GPU and no driver
-(:mod:`compile_rng.gpu_aot`): every variant compile_rng launches
-(:func:`compile_rng.triton_kernels.specializations`) must compile for sm_80 (A100),
+(:mod:`compile_rng.debug.gpu_aot`): every variant compile_rng launches
+(:func:`compile_rng.stream.triton_kernels.specializations`) must compile for sm_80 (A100),
 sm_90 (H100) and sm_100 (B200, where the installed triton has its ptxas) with no spill
 bytes; registers per thread are recorded (``benchmarks/aot_gpu.py`` prints them). The
 default suite compiles a representative subset (every op, both layouts, every
@@ -18,9 +18,11 @@ import torch
 
 pytest.importorskip("triton", reason="the AOT check compiles with triton (pip install 'compile_rng[gpu]')")
 
-from compile_rng import accelerator_ops as ao  # noqa: E402
-from compile_rng import gpu_aot, triton_internals  # noqa: E402
-from compile_rng import triton_kernels as tk  # noqa: E402
+from compile_rng import ops  # noqa: E402
+from compile_rng.stream import accelerator_ops as ao  # noqa: E402
+from compile_rng.debug import gpu_aot  # noqa: E402
+from compile_rng._torch import triton_internals  # noqa: E402
+from compile_rng.stream import triton_kernels as tk  # noqa: E402
 
 ARCHS = gpu_aot.supported_archs()
 
@@ -71,7 +73,7 @@ def test_every_launch_uses_an_enumerated_variant():
     and strides past 2**31, a seed word past 2**63, parameters whose bit patterns are 0,
     more dims than a launch takes, sources that start mid-storage."""
     known = {_variant_key(step): name for name, step in tk.specializations().items()}
-    key = ao.ops.make_key(2**63 + 5, 2**64 - 3)
+    key = ops.make_key(2**63 + 5, 2**64 - 3)
     odd = torch.zeros(37, dtype=torch.float16)[1:]  # 2-byte aligned
     with tk.recording() as seen:
         ao.uniform(key, 2**40, [3, 5], [2**33, 1], 0.0, 1.0, torch.float32)

@@ -1,4 +1,4 @@
-"""The Triton kernels (``compile_rng.triton_kernels``, the accelerator implementation of
+"""The Triton kernels (``compile_rng.stream.triton_kernels``, the accelerator implementation of
 the functional ops), without a GPU: Triton's interpreter runs them on CPU tensors
 (``TRITON_INTERPRET=1``, set by conftest). On a machine with CUDA they run there.
 
@@ -22,7 +22,7 @@ from compile_rng import ops
 
 pytest.importorskip("triton")
 
-from compile_rng import accelerator_ops  # noqa: E402
+from compile_rng.stream import accelerator_ops  # noqa: E402
 
 SEED = 2**63 + 0x5EED  # both key words used, the high bit set
 
@@ -96,7 +96,7 @@ def test_layouts_match_the_reference(size, strides, base, offset):
 
 
 def test_collapse_merges_only_continuing_dims():
-    from compile_rng.triton_kernels import collapse
+    from compile_rng.stream.triton_kernels import collapse
 
     assert collapse([2, 3, 4], [12, 4, 1]) == [(24, 1)]
     assert collapse([2, 1, 3], [100, 7, 1]) == [(2, 100), (3, 1)]

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import compile_rng
-from compile_rng import dispatch_modes
+from compile_rng.eager import dispatch_modes
 from compile_rng.launch import spawn
 
 CASES = [  # shape, kwargs: no rejection possible, 3-sigma (a few redraws), 1-sigma (many), narrow, 1-D
@@ -22,14 +22,14 @@ CASES = [  # shape, kwargs: no rejection possible, 3-sigma (a few redraws), 1-si
 
 def _torch_loop(tensor, kw, mode="tracker"):
     """torch's own trunc_normal_ on the stream (the reference)."""
-    from compile_rng.trunc_normal import _TORCH_TRUNC_NORMAL
+    from compile_rng.eager.trunc_normal import _TORCH_TRUNC_NORMAL
 
-    with torch.no_grad(), compile_rng.mode(mode), dispatch_modes.eager_stream():
+    with torch.no_grad(), compile_rng.layout(mode), dispatch_modes.eager_stream():
         _TORCH_TRUNC_NORMAL(tensor, **kw)
 
 
 def _fast(tensor, kw, mode="tracker"):
-    compile_rng.init(lambda t: torch.nn.init.trunc_normal_(t, **kw), compile=False, mode=mode)(tensor)
+    compile_rng.init(lambda t: torch.nn.init.trunc_normal_(t, **kw), compile=False, layout=mode)(tensor)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -48,7 +48,7 @@ def test_plain_tensors_match_torchs_loop_on_the_stream(shape, kw, dtype):
 
 
 def test_the_fast_path_is_active_and_redraws_only_rejected_elements(monkeypatch):
-    from compile_rng import trunc_normal
+    from compile_rng.eager import trunc_normal
 
     drawn = []
     real = trunc_normal.normal_f32_at
@@ -94,7 +94,7 @@ def test_plain_tensors_outside_the_stream_keep_torchs_generator():
     torch.manual_seed(5)
     a = torch.nn.init.trunc_normal_(torch.empty(100), std=0.5)
     torch.manual_seed(5)
-    from compile_rng.trunc_normal import _TORCH_TRUNC_NORMAL
+    from compile_rng.eager.trunc_normal import _TORCH_TRUNC_NORMAL
 
     assert torch.equal(a, _TORCH_TRUNC_NORMAL(torch.empty(100), std=0.5))
 

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 import compile_rng  # noqa: E402
-from compile_rng import dispatch_modes, ops  # noqa: E402
+from compile_rng.eager import dispatch_modes
+from compile_rng import ops  # noqa: E402
 
 CUDA = torch.device("cuda", torch.cuda.current_device())
 WORLD = 4
@@ -104,7 +105,7 @@ def test_cuda_mesh_follows_torchs_offsets_with_compile_rng_values():
 
 
 def test_invariant_init_equals_single_device_on_a_cuda_mesh():
-    @compile_rng.init(mode="invariant")
+    @compile_rng.init(layout="invariant")
     def init(w):
         torch.nn.init.trunc_normal_(w, std=0.02)
         return w

@@ -1,0 +1,319 @@
+"""Everything importing compile_rng changes in torch, in one place.
+
+:func:`install` (run on ``import compile_rng``; idempotent) makes these changes, and
+:func:`uninstall` undoes them, for tests and for users who want stock torch back. Each
+was checked on torch 2.13.0 and 2.15.0 (2.14 has the same modules).
+
+==========================================================  ========================================
+what                                                        why
+==========================================================  ========================================
+``torch.manual_seed``, ``torch.random.manual_seed``         the seeding every training script does
+wrapped to also call :func:`manual_seed`                    restarts compile_rng's stream too
+``torch.nn.init.trunc_normal_``                             fewer redraws; ranks kept in step
+``torch.random.fork_rng`` wrapped to also restore           code that forks the RNG (sampling, evals)
+compile_rng's CPU stream on exit                            leaves the training stream where it was
+``torch.distributed.tensor._random._rng_tracker``           DTensor runs every random op's local op
+= compile_rng's :class:`~compile_rng.eager.tracker.Tracker`       in the tracker's region: the SPMD contract
+``_random.is_rng_supported_mesh``: yes for CPU meshes       DTensor's ``manual_seed(seed, mesh)`` and
+                                                            init helpers ask it before seeding
+``DTensor._op_dispatcher._custom_op_handlers`` for the      DTensor runs those ops without a region
+in-place ops DTensor leaves unrouted (``exponential_``...)
+``_dispatch.run_dtensor_rng_op`` wrapped: with the          DTensor's accelerator branch runs random
+tracker's offsets it runs the op in the tracker's region    ops through it, not through the region
+``DTensor.to_local`` wrapped: inside compile_rng's eager    a plain TP plan's eager code draws on
+stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager.eager_shards`)
+==========================================================  ========================================
+
+The private torch names these touch are read through :mod:`compile_rng._torch.torch_internals`.
+The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
+already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
+within a third of ``import torch``.
+
+Two changes last for a call or a block, not for the installation:
+
+* :func:`dtensor_dispatch_unhandled`: compile_rng's handler of one in-place random op
+  steps out of DTensor's handler table for one call (DTensor's own dispatch of an op on
+  a mesh compile_rng does not serve), and back;
+* :func:`dtensor_operands_kept`: DTensor's ``OpDispatcher.redistribute_local_args``
+  wrapped for a block, to refuse an operand's redistribution
+  (:mod:`compile_rng.semantics.shard_layouts`).
+
+``tests/test_torch_internals.py`` fails on a change to torch made anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from compile_rng._torch import torch_internals
+from compile_rng.eager import trunc_normal
+from compile_rng.semantics import local_values
+from compile_rng.stream import state
+
+_stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
+
+
+def manual_seed(seed: int) -> None:
+    """Restart the stream at ``(seed, 0)`` and :func:`install` compile_rng (again, if it
+    was uninstalled). ``seed`` is a full uint64; call it with the same seed on every rank
+    of a mesh. ``torch.manual_seed(s)`` calls it too while compile_rng is installed."""
+    state.manual_seed(seed)
+    install()
+
+
+def install() -> None:
+    """Make compile_rng serve torch's seeding, ``trunc_normal_`` and DTensor's random ops
+    on CPU, CUDA and XPU meshes (idempotent; the module docstring lists each change and its reason)."""
+    if "manual_seed" not in _stock:
+        _stock.update(
+            manual_seed=torch.random.manual_seed,
+            torch_manual_seed=torch.manual_seed,
+            trunc_normal_=torch.nn.init.trunc_normal_,
+            fork_rng=torch.random.fork_rng,
+        )
+        hook = _stock["hook"] = _manual_seed_hook(_stock["manual_seed"])
+        torch.random.manual_seed = hook
+        torch.manual_seed = hook
+        torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
+        torch.random.fork_rng = _fork_rng_hook(_stock["fork_rng"])
+    # The tracker module imports DTensor; whichever of the two is imported first, the
+    # tracker is installed once its module is complete.
+    _after_import("torch.distributed.tensor", _import_tracker)
+    _after_import("compile_rng.eager.tracker", _install_tracker)
+
+
+def uninstall() -> None:
+    """Give torch back its own seeding, ``trunc_normal_`` and DTensor tracker.
+    compile_rng's functions stay usable; :func:`install` (or :func:`manual_seed`)
+    installs it again."""
+    _pending.clear()
+    if "manual_seed" in _stock:
+        torch.random.manual_seed = _stock["manual_seed"]
+        if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
+            # Dynamo, imported after install(), wrapped our hook in torch._disable_dynamo
+            # (torch/_dynamo/__init__.py, 2.13-2.15); keep its wrapper around torch's own.
+            torch.manual_seed = torch_internals.disable_dynamo(_stock["manual_seed"])
+        else:
+            torch.manual_seed = _stock["torch_manual_seed"]
+        torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
+        torch.random.fork_rng = _stock["fork_rng"]
+    if "rng_tracker" in _stock:
+        from compile_rng.eager import tracker
+
+        torch_internals.set_rng_tracker(_stock["rng_tracker"])
+        torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
+        torch_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
+        from torch.distributed.tensor import DTensor
+
+        DTensor.to_local = _stock["to_local"]
+        handlers = torch_internals.dtensor_op_handlers()
+        for op in tracker.UNROUTED:
+            if handlers.get(op) is tracker.inplace_handler:
+                del handlers[op]
+    _stock.clear()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return "manual_seed" in _stock
+
+
+def _manual_seed_hook(original: Callable) -> Callable:
+    # torch.manual_seed is looked up at call time by nearly every caller (training
+    # scripts, Lightning's seed_everything, DTensor), so the module attributes cover it.
+    @functools.wraps(original)
+    def manual_seed_hook(seed):
+        result = original(seed)
+        # torch accepts negative seeds and reduces them mod 2**64; mirror that.
+        manual_seed(int(seed) % state.UINT64)
+        return result
+
+    manual_seed_hook._compile_rng_hook = True
+    return manual_seed_hook
+
+
+def _fork_rng_hook(original: Callable) -> Callable:
+    # torch.random.fork_rng forks the CPU generator and the listed devices' generators; the
+    # accelerator streams are those generators already, the CPU stream is compile_rng's.
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
+        enabled = signature.bind(*args, **kwargs).arguments.get("enabled", True)
+        saved = state.get_state("cpu")
+        with original(*args, **kwargs):
+            try:
+                yield
+            finally:
+                if enabled:
+                    state.set_state(*saved, "cpu")
+
+    return fork_rng
+
+
+def _import_tracker(_dtensor: ModuleType) -> None:
+    # A tracker module already in sys.modules is the one whose import is importing
+    # DTensor right now: its own hook installs it when it is complete.
+    if "compile_rng.eager.tracker" not in sys.modules:
+        importlib.import_module("compile_rng.eager.tracker")
+
+
+def _install_tracker(tracker: ModuleType) -> None:
+    # Again on every install(): torch's own code may have replaced the tracker (tests
+    # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
+    dtensor_random = torch_internals.dtensor_random()
+    if "rng_tracker" not in _stock:
+        from torch.distributed.tensor import DTensor
+
+        dispatch = torch_internals.dtensor_dispatch()
+        _stock.update(
+            rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
+            run_dtensor_rng_op=dispatch.run_dtensor_rng_op, to_local=DTensor.to_local,
+        )
+        dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
+        dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
+        DTensor.to_local = _to_local_hook(DTensor.to_local)
+    torch_internals.set_rng_tracker(tracker.TRACKER)
+    handlers = torch_internals.dtensor_op_handlers()
+    for op in tracker.UNROUTED:
+        handlers[op] = tracker.inplace_handler
+
+
+def _to_local_hook(stock: Callable) -> Callable:
+    # Inside compile_rng's eager stream the local tensor of a sharded DTensor is recorded
+    # (compile_rng.semantics.local_values): eager random ops on it then draw its piece of the
+    # DTensor op's counters. Elsewhere, and on traced (fake) values, nothing changes.
+    @functools.wraps(stock)
+    def to_local(self, *, grad_placements=None):
+        result = stock(self, grad_placements=grad_placements)
+        if local_values.is_recording() and any(not p.is_replicate() for p in self.placements):
+            local_values.record(result, local_values.Layout.of(self))
+        return result
+
+    return to_local
+
+
+def _rng_supported_mesh(stock: Callable, tracker: ModuleType) -> Callable:
+    # DTensor's manual_seed(seed, mesh) - what pipeline code calls per stage - and its
+    # init helpers ask this before seeding; with compile_rng serving CPU meshes the answer
+    # there is yes, so the stream is seeded (and a rank outside the mesh gets torch's error).
+    @functools.wraps(stock)
+    def is_rng_supported_mesh(device_mesh) -> bool:
+        if device_mesh.device_type == "cpu" and tracker.installed():
+            return True
+        return stock(device_mesh)
+
+    return is_rng_supported_mesh
+
+
+# --- changes for a call or a block ----------------------------------------------------
+
+_handlers_lock = threading.RLock()
+
+
+def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
+    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
+    handler table on every op, so the handler steps out of it for this one call."""
+    handlers = torch_internals.dtensor_op_handlers()
+    with _handlers_lock:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
+
+
+@contextlib.contextmanager
+def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
+    """Inside the block DTensor's dispatch raises ``error`` where it would change an
+    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
+    a change of non-tensor arguments only - a view's global sizes made local - still
+    runs). :mod:`compile_rng.compiled.local_shards` runs a plain program's ops on DTensors this
+    way: the local op computes a shard of the DTensor op only where nothing moves."""
+    dispatcher = torch_internals.dtensor_op_dispatcher()
+    stock = dispatcher.redistribute_local_args
+    spec_type = torch_internals.DTensorSpec
+
+    def specs(args: Any) -> list:
+        return [s for s in torch_internals.tree_leaves(args) if isinstance(s, spec_type)]
+
+    def moves(before: Any, after: Any) -> bool:
+        # an empty operand (a KV cache's first torch.cat) has no data to move
+        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
+
+    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
+        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
+        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
+            raise error(f"{op_info.schema} needs {suggested}")
+        return stock(op_info, suggested, use_val)
+
+    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
+    try:
+        yield
+    finally:
+        del dispatcher.redistribute_local_args
+
+
+# --- post-import hooks ----------------------------------------------------------------
+
+_pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs the callbacks :func:`_after_import` registered for a module once its import
+    has completed (the module object is the one in ``sys.modules``)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without recursing into this finder
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+
+        class _ThenCallbacks(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                module.__spec__.loader = module.__loader__ = loader
+                loader.exec_module(module)
+                for callback in _pending.pop(fullname, []):
+                    callback(module)
+
+        spec.loader = _ThenCallbacks()
+        return spec
+
+
+_FINDER = _AfterImport()
+
+
+def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """``callback(module)`` now if ``name`` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    callbacks = _pending.setdefault(name, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

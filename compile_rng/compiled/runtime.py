@@ -1,0 +1,120 @@
+"""What runs each call of a compiled graph: reserve the graph's total advance from the
+state *before* calling it (a call that raises still consumed its counters: the state is
+always "advanced by the whole graph"), build the key, check the ranks agree (``verify``),
+and hand tensor-parallel pieces to and from eager code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from compile_rng.compiled.symbols import SizeFn
+from compile_rng.eager import dispatch_modes
+from compile_rng.ops import make_key
+from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
+from compile_rng.semantics import local_values, verify
+from compile_rng.semantics.rows import Rows, current_rows
+from compile_rng.stream import state
+
+
+class BatchKey:
+    """A batched graph's rows for a call (:mod:`compile_rng.eager.batches`) and its key."""
+
+    def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node], device: torch.device):
+        self.name, self.device = plan.name, device
+        self.draws = plan.local_rows is not None  # a graph without random ops has no batch
+        self.local_rows = SizeFn(plan.local_rows if self.draws else 0, placeholders)
+
+    def rows(self, args: Sequence[Any]) -> Rows:
+        count = self.local_rows(args)
+        rows = current_rows()
+        if rows is None or not self.draws:
+            return Rows(0, count, count)
+        if rows.count != count:
+            raise ValueError(
+                f"compile_rng: the batched graph {self.name} draws on activations of {count} rows, but the "
+                f"enclosing compile_rng.step / microbatch holds {rows.count} rows of this rank's batch; "
+                "pass the rows of the batch this call processes"
+            )
+        return rows
+
+    def __call__(self, seed: int, offset: int, rows: Rows) -> torch.Tensor:
+        return make_key(seed, offset, self.device, rows=(rows.start, rows.total))
+
+
+class LocalPieces:
+    """A graph's traffic in tensor-parallel ranks' local pieces with eager code
+    (:mod:`compile_rng.semantics.local_values`): the pieces it returns are recorded for the eager
+    code after it; a recorded piece among the inputs its plain random ops are computed
+    from is refused (the graph would draw it as a replica: it was traced as a plain
+    input, so the layout is unknown in it)."""
+
+    def __init__(self, plan: RngPlan, inputs: int, outputs: list):
+        self.plan, self.outputs = plan, outputs if any(v is not None for v in outputs) else None
+        self.inputs = inputs
+
+    def check(self, args: Sequence[Any]) -> None:
+        draws = self.plan.draw_inputs
+        if not draws or not local_values.touches(args):
+            return
+        # the traced graph's inputs are the Dynamo graph's unless AOTAutograd dropped or merged some
+        positions = draws if self.plan.traced_inputs == self.inputs else range(len(args))
+        for i in positions:
+            if local_values.lookup(args[i]) is not None:
+                ops = ", ".join(f"{op.original} at {op.source}" for op in self.plan.ops if op.sharding is None)
+                raise NotImplementedError(
+                    f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) on values "
+                    f"computed from its input {i}, a plain tensor that is this rank's piece of a sharded DTensor "
+                    "(to_local() in code that ran before this graph: a graph break separates them). The graph "
+                    "would draw it as a replica - every rank the same values for different pieces. Keep "
+                    "to_local() and the random op in one graph (remove the graph break), or keep the tensor a "
+                    "DTensor (use_local_output=False in the TP plan)"
+                )
+
+    def record(self, outputs: Any) -> Any:
+        if self.outputs is not None and local_values.is_recording():
+            for value, layout in zip(outputs, self.outputs):
+                local_values.record(value, layout)
+        return outputs
+
+
+class CompiledGraph:
+    """The callable the backend hands Dynamo for one graph: ``compiled`` (the inner
+    compiler's result, which takes the key as its last input) on the stream."""
+
+    def __init__(
+        self, compiled: Callable, plan: RngPlan, placeholders: Sequence[fx.Node], device: torch.device,
+        check: bool, verify_over: Any, output_layouts: list,
+    ):
+        """``check``: verify before every call that the ranks agree, over ``verify_over``
+        (the backend's ``verify=``: True, a DeviceMesh or a ProcessGroup)."""
+        self.compiled, self.plan, self.device = compiled, plan, device
+        self.advance = SizeFn(plan.total_advance, placeholders)
+        self.key_of = BatchKey(plan, placeholders, device) if plan.batched else None
+        self.check, self.verify_over = check, verify_over
+        self.signature = verify.signature(plan)
+        self.groups: list = []
+        self.pieces = LocalPieces(plan, len(placeholders), output_layouts)
+
+    def _check_ranks(self) -> None:
+        if not self.groups:  # the process groups exist once the graph runs
+            meshes = list({id(op.mesh): op.mesh for op in self.plan.ops if op.mesh is not None}.values())
+            self.groups.extend(verify.groups_of(meshes, self.verify_over))
+        verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.check:
+            self._check_ranks()
+        if self.key_of is not None:
+            rows = self.key_of.rows(args)
+            seed, offset = state.advance(self.advance(args, {ROWS_TOTAL: rows.total}), self.device)
+            key = self.key_of(seed, offset, rows)
+        else:
+            seed, offset = state.advance(self.advance(args), self.device)
+            key = make_key(seed, offset, self.device)
+        self.pieces.check(args)
+        with dispatch_modes.graph_call():
+            return self.pieces.record(self.compiled(*args, key))

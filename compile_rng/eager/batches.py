@@ -1,0 +1,150 @@
+"""Training steps: activations drawn at their rows of the step's global batch.
+
+Invariant activations (docs/contract.md §3.5). In a graph of a ``batched`` backend
+(``compile_rng.backend(layout="invariant", batched=True)``), dim 0 of every random op's
+tensor is the batch: the tensor holds rows ``[start, start + rows)`` of a global batch
+of ``total`` rows, and element ``(i, j...)`` draws the counter of ``(start + i, j...)``
+in the global tensor (DTensor placements of the other dims apply as usual). The op
+advances the stream by ``ceil4(total * row_numel)``, on every rank alike.
+
+A *step* (:func:`step`) fixes where the rows come from:
+
+* the global batch is the data-parallel ranks' local batches in mesh-coordinate order
+  (any sizes: an uneven last batch is the normal case);
+* every microbatch (:meth:`Step.microbatch`) restarts at the stream position the step
+  began at, so a sample draws the same masks whichever microbatch it is in; the step
+  ends at the position every microbatch reached (they must agree) - exactly where one
+  call on the whole global batch ends.
+
+Outside a step a batched graph's tensors are the whole batch (``start = 0``,
+``total = rows``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from compile_rng.eager import dispatch_modes
+from compile_rng.semantics.rows import Rows, reset_rows, set_rows
+from compile_rng.stream import state
+
+
+def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
+    """``(process group, this rank's coordinate, size, device)`` of a 1-D mesh or a group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(data_parallel, DeviceMesh):
+        if data_parallel.ndim != 1:
+            raise ValueError(
+                f"compile_rng.step: data_parallel must be a 1-D mesh (got {data_parallel.ndim}-D "
+                f"{data_parallel.mesh_dim_names}); flatten the data-parallel dims first "
+                "(mesh[('dp_replicate', 'dp_shard')]._flatten())"
+            )
+        device = torch.device(data_parallel.device_type)
+        return data_parallel.get_group(), data_parallel.get_local_rank(), data_parallel.size(), device
+    backend = dist.get_backend(data_parallel)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return data_parallel, dist.get_rank(data_parallel), dist.get_world_size(data_parallel), device
+
+
+def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None) -> Rows:
+    """This rank's rows of the global batch."""
+    if data_parallel is None:
+        if global_batch not in (None, local_batch):
+            raise ValueError(
+                f"compile_rng.step: global_batch={global_batch} but local_batch={local_batch} "
+                "without data_parallel; pass data_parallel= (the mesh or group the batch is split over)"
+            )
+        return Rows(0, local_batch, local_batch)
+    import torch.distributed as dist
+
+    group, coord, size, device = _group_coordinate(data_parallel)
+    if global_batch is not None:
+        # DTensor's Shard(0) layout (torch.chunk): no communication needed.
+        chunk = -(-global_batch // size)
+        start = min(coord * chunk, global_batch)
+        expected = max(min(chunk, global_batch - start), 0)
+        if local_batch != expected:
+            raise ValueError(
+                f"compile_rng.step: global_batch={global_batch} over {size} data-parallel ranks gives "
+                f"coordinate {coord} {expected} rows (torch.chunk), but local_batch={local_batch}; "
+                "omit global_batch to gather the ranks' actual sizes"
+            )
+        return Rows(start, local_batch, global_batch)
+    mine = torch.tensor([coord, local_batch], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    sizes = dict(t.tolist() for t in gathered)
+    start = sum(n for c, n in sizes.items() if c < coord)
+    return Rows(start, local_batch, sum(sizes.values()))
+
+
+class Step:
+    """One training step's batch (see the module docstring); made by :func:`step`."""
+
+    def __init__(self, rows: Rows):
+        self.rows = rows
+        self._start = state.snapshot()  # every device's stream (a CUDA model draws on CUDA)
+        self._used = 0
+        self._ends: list[dict[str, tuple[int, int]]] = []
+
+    @contextlib.contextmanager
+    def microbatch(self, rows: int) -> Iterator[Rows]:
+        """The next ``rows`` rows of this rank's local batch, drawn exactly as the whole
+        step's batch draws them: the stream restarts at the step's position."""
+        if rows < 0 or self._used + rows > self.rows.count:
+            raise ValueError(
+                f"compile_rng: microbatch of {rows} rows after {self._used} of this rank's "
+                f"{self.rows.count}; the microbatches must split the step's local batch"
+            )
+        mine = Rows(self.rows.start + self._used, rows, self.rows.total)
+        self._used += rows
+        state.restore(self._start)
+        token = set_rows(mine)
+        try:
+            yield mine
+        finally:
+            reset_rows(token)
+            self._ends.append(state.snapshot())
+
+    def _finish(self) -> None:
+        if not self._ends:
+            return
+        if self._used != self.rows.count:
+            raise ValueError(
+                f"compile_rng: the microbatches covered {self._used} of this rank's {self.rows.count} rows"
+            )
+        if any(end != self._ends[0] for end in self._ends):
+            offsets = [{kind: offset for kind, (_, offset) in end.items()} for end in self._ends]
+            raise RuntimeError(
+                f"compile_rng: the microbatches of a step drew different amounts of randomness "
+                f"(they ended at offsets {offsets}); every microbatch must run the same random ops"
+            )
+        state.restore(self._ends[0])
+
+
+@contextlib.contextmanager
+def step(local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None) -> Iterator[Step]:
+    """One training step of ``local_batch`` rows on this rank.
+
+    ``data_parallel`` (a 1-D DeviceMesh or a process group) is what the global batch is
+    split over: the global batch is the ranks' local batches in coordinate order, their
+    sizes gathered once here (one tiny all-gather), or - with ``global_batch`` given -
+    taken to be DTensor's ``Shard(0)`` split of it. Batched graphs called in the block
+    draw at this rank's rows; use :meth:`Step.microbatch` for gradient accumulation.
+    """
+    if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
+        raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
+    s = Step(_rank_rows(local_batch, data_parallel, global_batch))
+    token = set_rows(s.rows)
+    try:
+        with dispatch_modes.compiled_call():  # eager random ops in the block draw at the rows too
+            yield s
+    finally:
+        reset_rows(token)
+    s._finish()

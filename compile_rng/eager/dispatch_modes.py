@@ -1,0 +1,317 @@
+"""Dispatch modes that put eager random ops on compile_rng's stream.
+
+* :class:`RandomOpMode` replaces each random op (plain or local tensors) with the
+  functional op at the counters a callback assigns; the DTensor tracker
+  (:mod:`compile_rng.eager.tracker`) runs one with the shard's layout, :func:`eager_stream`
+  and :func:`compiled_call` with a plain tensor's (a replica on a one-rank mesh);
+* :func:`recorded_counters` - the counters each eager random op drew (for
+  ``trunc_normal_``'s redraws).
+
+Nothing here needs DTensor: plain-tensor code pays no DTensor import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from compile_rng import ops as cr_ops
+from compile_rng._torch.torch_internals import (
+    OpOverload,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    detect_fake_mode,
+    get_proxy_mode,
+    pop_dispatch_mode_temporarily,
+)
+from compile_rng.semantics import local_values
+from compile_rng.semantics.random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
+from compile_rng.semantics.rows import batch_window, current_rows
+from compile_rng.stream import ceil4, contiguous_strides, state
+
+
+def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
+    """Output shape and dtype of a random op from its normalized arguments."""
+    if "size" in kw:
+        default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
+        return list(kw["size"]), kw.get("dtype") or default
+    if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
+        tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
+        return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
+    first = kw["input"]
+    return list(first.shape), kw.get("dtype") or first.dtype
+
+
+def _out_device(kw: dict) -> torch.device:
+    """The device a random op's output lives on, from its normalized arguments."""
+    for name in ("input", "self", "mean", "std"):
+        if isinstance(kw.get(name), torch.Tensor):
+            return kw[name].device
+    device = kw.get("device")
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
+def drawn_shape(func: OpOverload, args: tuple, kwargs: dict) -> list | None:
+    """The shape of the tensor ``func`` draws, if it is a random op with a counter-based
+    form (None otherwise: the modes here refuse the other random ops themselves)."""
+    functional = INPLACE.get(func, func)
+    if functional not in RULES:
+        return None
+    return list(_out_shape_dtype(functional, _normalize(func, args, kwargs))[0])
+
+
+def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
+    """The device random op ``func`` draws on, from its arguments."""
+    return _out_device(_normalize(func, args, kwargs))
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A local shard whose counters are affine only piecewise along ``dim`` (an uneven
+    ``_StridedShard``, :mod:`compile_rng.semantics.spmd`): ``pieces`` are ``(start, length,
+    offset, strides)``, in order, tiling ``dim``; element ``idx`` of the local slice
+    ``[start, start + length)`` of ``dim`` has counter ``offset + sum(idx * strides)``."""
+
+    dim: int
+    pieces: tuple
+
+    def shifted(self, delta: int) -> "Pieces":
+        """The same pieces ``delta`` counters further on."""
+        return Pieces(self.dim, tuple((s, n, offset + delta, strides) for s, n, offset, strides in self.pieces))
+
+
+class _TensorCall(RandomCall):
+    """A random op call on local tensors, replaced at dispatch time."""
+
+    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None):
+        self.op, self.kw, self.key, self.offset = func, kw, key, offset
+        self._strides, self._size, self.dtype = strides, size, dtype
+        self.out = out  # an in-place op's target: the values may be written straight into it
+
+    def arg(self, name, default=None):
+        value = self.kw.get(name)
+        return default if value is None else value
+
+    def size(self):
+        return self._size
+
+    def strides(self):
+        return self._strides
+
+    def emit(self, target, *args):
+        into = cr_ops.INTO.get(target)
+        if self.out is not None and into is not None and into(self.out, self.key, self.offset, *args):
+            return self.out
+        return target(self.key, self.offset, *args)
+
+    def apply(self, target, *args, **kwargs):
+        return target(*args, **kwargs)
+
+
+def _normalize(func: OpOverload, args: tuple, kwargs: dict) -> dict:
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
+
+
+def _generator_error(func: OpOverload) -> NotImplementedError:
+    return NotImplementedError(
+        f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
+        "argument (seed with compile_rng.manual_seed) or call it outside"
+    )
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
+    result has counter ``key base + offset + sum(idx * strides)`` under ``key``'s seed."""
+
+    key: torch.Tensor
+    offset: int
+    strides: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+_counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
+
+
+@contextlib.contextmanager
+def recorded_counters() -> Iterator[list[Counters]]:
+    """Collects the :class:`Counters` of every eager random op run inside the block."""
+    log: list[Counters] = []
+    token = _counter_log.set(log)
+    try:
+        yield log
+    finally:
+        _counter_log.reset(token)
+
+
+class RandomOpMode(TorchDispatchMode):
+    """Replaces random ops with the functional ops at the counters ``counters`` assigns.
+
+    ``counters(op, local_shape, device) -> (key, offset, strides)``, or ``(key, Pieces,
+    None)`` for a shard whose counters are affine only piecewise. With ``plain_only`` the
+    mode leaves ops on tensor subclasses (DTensor) to their own dispatch, whose tracker
+    region then applies the sharded layout.
+    """
+
+    def __init__(self, counters, plain_only: bool = False):
+        super().__init__()
+        self.counters, self.plain_only = counters, plain_only
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        functional = INPLACE.get(func, func)
+        if self.plain_only and any(t is not torch.Tensor for t in types):
+            return func(*args, **kwargs)
+        if self.plain_only and local_values.touches((args, kwargs)):
+            # a tensor-parallel rank's local piece of a DTensor (imports DTensor: it exists)
+            from compile_rng.eager import eager_shards
+
+            return eager_shards.dispatch(func, args, kwargs)
+        if functional not in RULES:
+            if is_random(func):
+                kw = _normalize(func, args, kwargs)
+                if kw.get("generator") is not None:
+                    raise _generator_error(func)
+                if draws(func, kw):
+                    raise unsupported(func)
+            return func(*args, **kwargs)
+        kw = _normalize(func, args, kwargs)
+        if kw.get("generator") is not None:
+            raise _generator_error(func)
+        device = _out_device(kw)
+        if device.type == "meta":  # shapes only: nothing drawn (as torch's generators)
+            return func(*args, **kwargs)
+        size, dtype = _out_shape_dtype(func, kw)
+        key, offset, strides = self.counters(func, size, device)
+        if isinstance(offset, Pieces):
+            return _draw_pieces(func, kw, key, offset, size, dtype)
+        log = _counter_log.get()
+        if log is not None:
+            log.append(Counters(key, offset, tuple(strides), tuple(size)))
+        return _draw(func, kw, key, offset, strides, size, dtype)
+
+
+def _draw(func: OpOverload, kw: dict, key, offset, strides, size: list, dtype: torch.dtype):
+    """``func`` (normalized arguments ``kw``) by its rule at one affine counter window;
+    an in-place op's values land in its ``kw["input"]``, which is returned."""
+    functional = INPLACE.get(func, func)
+    inplace = func is not functional
+    # Writing straight into the target needs real values (not while a graph is traced).
+    direct = inplace and get_proxy_mode() is None and detect_fake_mode() is None
+    call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
+    result = RULES[functional](call)
+    if inplace:
+        target = kw["input"]
+        result = result[0] if isinstance(result, tuple) else result
+        if result is not target:
+            target.copy_(result)
+        return target
+    return result
+
+
+def _draw_pieces(func: OpOverload, kw: dict, key, pieces: Pieces, size: list, dtype: torch.dtype):
+    """``func`` drawn piece by piece on the ``narrow``s of its output (and of the tensor
+    arguments that span it) along ``pieces.dim``: functional results are concatenated,
+    an in-place op writes each piece into its narrow of the target."""
+    dim = pieces.dim
+    parts = []
+    for start, length, offset, strides in pieces.pieces:
+        piece_kw = {name: _narrow_operand(v, len(size), dim, size[dim], start, length) for name, v in kw.items()}
+        piece_size = list(size)
+        piece_size[dim] = length
+        parts.append(_draw(func, piece_kw, key, offset, strides, piece_size, dtype))
+    if func is not INPLACE.get(func, func):
+        return kw["input"]
+    return _concat(parts, dim)
+
+
+def _concat(parts: list, dim: int):
+    if isinstance(parts[0], tuple):  # native_dropout: (output, mask)
+        return tuple(torch.cat(column, dim) for column in zip(*parts))
+    return torch.cat(parts, dim)
+
+
+def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, length: int):
+    """``value``'s part for the output slice ``[start, start + length)`` of ``dim``: a
+    tensor that spans the output's ``dim`` (aligned from the right, as broadcasting)
+    is narrowed; a broadcast one and non-tensors are shared by every piece."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    own = dim - (out_ndim - value.dim())
+    if own < 0 or value.shape[own] != full:
+        return value
+    return value.narrow(own, start, length)
+
+
+def _plain_counters(func, size, device):
+    # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
+    rows = current_rows()
+    if rows is None:
+        numel = 1
+        for s in size:
+            numel *= s
+        offset, advance = 0, ceil4(numel)
+    else:
+        offset, advance = batch_window(func, size, rows)
+    seed, base = state.advance(advance, device)
+    return cr_ops.make_key(seed, base, device), offset, contiguous_strides(size)
+
+
+@contextlib.contextmanager
+def eager_stream() -> Iterator[None]:
+    """Eager random ops on plain tensors inside the block draw from compile_rng's
+    stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
+    ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
+    keep going through the tracker. Disables ``torch.compile`` inside the block."""
+    with RandomOpMode(_plain_counters, plain_only=True), local_values.recording():
+        yield
+
+
+class _SegmentMode(RandomOpMode):
+    # Dynamo compiles under a mode that ignores compile internals and the compiled
+    # graphs run under it; only the eager code between graphs reaches the mode with
+    # random ops (the graphs' own random ops are functional already).
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+_IN_COMPILED_CALL = contextvars.ContextVar("compile_rng_in_compiled_call", default=False)
+
+
+@contextlib.contextmanager
+def compiled_call() -> Iterator[None]:
+    """Around a call of a ``compile_rng.compile``d function: the eager code Dynamo runs
+    between graphs draws plain-tensor random ops from the stream (as
+    :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
+    token = _IN_COMPILED_CALL.set(True)
+    try:
+        with _SegmentMode(_plain_counters, plain_only=True), local_values.recording():
+            yield
+    finally:
+        _IN_COMPILED_CALL.reset(token)
+
+
+def in_compiled_call() -> bool:
+    """Whether the code runs inside :func:`compiled_call`."""
+    return _IN_COMPILED_CALL.get()
+
+
+@contextlib.contextmanager
+def graph_call() -> Iterator[None]:
+    """Around a compiled graph, and around a compile: the graph's ops skip
+    :func:`compiled_call`'s modes (its random ops are functional already, which saves a
+    Python dispatch per op), and so does the compile - a compile can run while a step's
+    eager code runs (DDP's optimizer compiles its pieces at their first call), and
+    Inductor traces its own patterns then, random ops included."""
+    with contextlib.ExitStack() as stack:
+        while isinstance(current_dispatch_mode(), _SegmentMode):
+            stack.enter_context(pop_dispatch_mode_temporarily())
+        yield

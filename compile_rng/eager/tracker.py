@@ -1,0 +1,306 @@
+"""compile_rng as DTensor's RNG tracker: SPMD random semantics on CPU, CUDA and XPU meshes.
+
+DTensor runs the local op of a random op inside ``_rng_tracker._distribute_region(spec)``
+(on the accelerator it calls ``_compute_rng_offsets(spec)`` and ``run_dtensor_rng_op``
+instead; :func:`run_dtensor_rng_op_hook` brings those calls back to the region).
+:class:`Tracker` makes that region replace the local op with compile_rng's functional
+ops at the shard's counter layout (:mod:`compile_rng.semantics.spmd`):
+
+* eager: the counters come from the state (reserved once per op, identical on every
+  rank) and the rank's mesh coordinate;
+* while AOTAutograd traces a graph for ``backend="compile_rng"``: the key is a
+  placeholder (``compile_rng::pending_key``, resolved to the graph's key input by the
+  pass) and the coordinate is a runtime SymInt
+  (``device_mesh::_runtime_compute_coordinate_on_dim``), so one graph serves every rank.
+
+Random ops that DTensor does not route through the tracker (``exponential_``,
+``log_normal_``, ``cauchy_``, ``geometric_``, ``random_``, ``bernoulli_`` with tensor
+``p``) get a DTensor op handler that does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from compile_rng import ops as cr_ops
+
+# spmd as a module: importing it first imports DTensor, whose import hook imports this
+# module, which then finds spmd half-initialized (its names are read at call time)
+from compile_rng._torch import installation
+from compile_rng._torch.torch_internals import (
+    OffsetBasedRNGTracker,
+    detect_fake_mode,
+    disable_dynamo,
+    distribute_region,
+    dtensor_rng_tracker_base,
+    dtensor_spec,
+    get_proxy_mode,
+    local_tensor_mode_enabled,
+    mesh_coordinate_of_rank,
+    rng_tracker,
+    symbolic_mesh_coordinate,
+    traced_graph,
+    traced_mesh_coordinate_of_rank,
+)
+from compile_rng.compiled.pending_key import SITE, Site, pending_key
+from compile_rng.eager.dispatch_modes import Pieces, RandomOpMode
+from compile_rng.semantics import spmd, verify
+from compile_rng.semantics.layouts import current_layout
+from compile_rng.semantics.rows import batch_window, current_rows
+from compile_rng.stream import state
+
+aten = torch.ops.aten
+
+
+_site_ids = itertools.count()
+
+
+def _traced_node(site_id: int) -> torch.fx.Node:
+    """The ``pending_key(site_id)`` node the proxy tracer just recorded."""
+    for node in reversed(traced_graph().nodes):
+        if node.target is torch.ops.compile_rng.pending_key.default and node.args[0] == site_id:
+            return node
+    raise RuntimeError(f"compile_rng internal error: the traced graph has no pending_key({site_id}) node")
+
+
+# Set by the backend while AOTAutograd traces one of its graphs.
+_tracing_for_compile_rng: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "compile_rng_tracing_layout", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_for_backend(layout: str) -> Iterator[None]:
+    token = _tracing_for_compile_rng.set(layout)
+    try:
+        yield
+    finally:
+        _tracing_for_compile_rng.reset(token)
+
+
+def _coordinates(mesh: Any, symbolic: bool) -> list:
+    if symbolic:
+        return symbolic_mesh_coordinate(mesh)
+    coords = mesh_coordinate_of_rank(mesh, torch.distributed.get_rank())
+    if coords is None:
+        raise RuntimeError(
+            f"compile_rng: this rank ({torch.distributed.get_rank()}) is not part of the mesh "
+            f"{mesh} of a DTensor random op; run the op only on the mesh's ranks"
+        )
+    return list(coords)
+
+
+class Tracker(dtensor_rng_tracker_base()):
+    """The object installed as ``torch.distributed.tensor._random._rng_tracker``.
+
+    It must be an ``OffsetBasedRNGTracker``: for accelerator DTensors DTensor's dispatch
+    (torch 2.13-2.15 ``_dispatch.py``) skips the region, asserts that type and passes the
+    tracker's offsets for the spec to ``run_dtensor_rng_op``. DTensor's private tracker
+    protocol is implemented by :func:`~compile_rng._torch.torch_internals.dtensor_rng_tracker_base`,
+    which calls :meth:`region`, :meth:`rng_offsets` and :meth:`reseed`. Meshes of other
+    device types (:func:`serves`) keep torch's semantics: their regions go to a stock
+    ``OffsetBasedRNGTracker``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fallbacks: dict[str, Any] = {}  # device type -> torch's tracker for its meshes
+
+    # Dynamo must not inline the tracker (it reads the state and placements); code that
+    # calls it from a compiled frame graph-breaks and runs the region eagerly.
+    @disable_dynamo
+    @contextlib.contextmanager
+    def region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        """The region DTensor runs a random op's local op in (its ``_distribute_region``)."""
+        if not serves(spec.mesh):
+            fallback = self.fallback(spec.mesh)
+            fallback.distribute_region_enabled = self.distribute_region_enabled
+            with distribute_region(fallback, spec, generator):
+                yield
+            return
+        if not self.distribute_region_enabled:
+            yield
+            return
+        if local_tensor_mode_enabled() and spec.mesh.device_type != "cpu":
+            # torch's per-rank tracker simulates accelerator ranks; keep its semantics there.
+            with distribute_region(self.fallback(spec.mesh), spec, generator):
+                yield
+            return
+        if local_tensor_mode_enabled():
+            # LocalTensorMode simulates every rank in one process; the coordinate here would
+            # be the process's rank for all of them (identical shards), and torch's own
+            # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
+            raise NotImplementedError(
+                "compile_rng: DTensor random ops under LocalTensorMode (every rank simulated in one "
+                "process) are not supported; simulate ranks with the fake process group "
+                "(one process acting as each rank) or run real ranks"
+            )
+        sharding = spmd.Sharding.from_spec(spec)
+        if generator is not None:
+            raise NotImplementedError(
+                "compile_rng: DTensor random ops with generator= are not supported: the stream of "
+                "a sharded op lives in compile_rng's state. Drop generator= and seed with "
+                "compile_rng.manual_seed / torch.manual_seed on every rank."
+            )
+        sharding.check("DTensor random op")
+        tracing = detect_fake_mode() is not None
+        if tracing and get_proxy_mode() is None:
+            # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
+            yield
+            return
+        # Eager inside a step: the rows of the batch, in the layout batched graphs use.
+        rows = None if tracing else current_rows()
+        layout_name = _tracing_for_compile_rng.get() if tracing else ("invariant" if rows is not None else current_layout())
+        if layout_name is None:
+            raise RuntimeError(
+                "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
+                "DTensor random ops on its meshes need torch.compile(..., backend='compile_rng')"
+            )
+        coords = _coordinates(spec.mesh, symbolic=tracing)
+        if not tracing:
+            verify.check_mesh_once(spec.mesh)
+        device = state.device_of(spec.mesh.device_type)
+
+        def counters(func, local_shape, _device):
+            layout = sharding.layout(layout_name, coords, local_shape)
+            if tracing and isinstance(layout, Pieces):
+                # An uneven _StridedShard: this rank's runs of rows, for its own coordinate.
+                # Their bounds are nested min/max of the runtime coordinate, which Inductor's
+                # index analysis cannot digest; as constants the graph is this rank's (the
+                # caches key DTensor graphs by rank: plan_store.process_context).
+                rank_coords = traced_mesh_coordinate_of_rank(spec.mesh, torch.distributed.get_rank())
+                layout = sharding.layout(layout_name, rank_coords, local_shape)
+            if tracing:
+                offset, strides = (layout, None) if isinstance(layout, Pieces) else layout
+                site_id = next(_site_ids)  # distinct args: no pass may merge two sites
+                key = pending_key(site_id, device)
+                start = offset.pieces[0][2] if isinstance(offset, Pieces) else offset  # reported: the first piece's
+                _traced_node(site_id).meta[SITE] = Site(
+                    str(func), layout_name, sharding, start, sharding.advance(), tuple(coords), spec.mesh
+                )
+                return key, offset, strides
+            advance = int(sharding.advance())
+            row_offset = 0
+            if rows is not None:
+                row_offset, advance = batch_window(func, sharding.global_shape, rows)
+            seed, base = state.advance(advance, device)
+            key = cr_ops.make_key(seed, base, device)
+            if isinstance(layout, Pieces):
+                return key, layout.shifted(row_offset), None
+            offset, strides = layout
+            return key, offset + row_offset, strides
+
+        with RandomOpMode(counters):
+            yield
+
+    def rng_offsets(self, spec: Any) -> tuple[Any, Any]:
+        """What DTensor's accelerator branch passes to run_dtensor_rng_op (its
+        ``_compute_rng_offsets``), where run_dtensor_rng_op_hook opens this tracker's
+        region for the spec instead."""
+        if not serves(spec.mesh):
+            return self.stock_rng_offsets(spec)
+        return _Region(spec), None
+
+    def fallback(self, mesh: Any) -> OffsetBasedRNGTracker:
+        """torch's own tracker for the meshes of ``mesh``'s device type."""
+        if mesh.device_type not in self.fallbacks:
+            self.fallbacks[mesh.device_type] = OffsetBasedRNGTracker(mesh, run_state_sync=False)
+        return self.fallbacks[mesh.device_type]
+
+    def reseed(self, parallel_seed: int) -> None:
+        """DTensor's ``manual_seed(seed, mesh)`` (its ``_manual_seed``)."""
+        state.manual_seed(parallel_seed)
+
+
+def serves(mesh: Any) -> bool:
+    """Whether compile_rng's semantics apply to ``mesh``'s random ops (its device type
+    has a compile_rng stream: CPU, CUDA, XPU)."""
+    return mesh.device_type == "cpu" or mesh.device_type in state.ACCELERATORS
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The "offsets" :meth:`Tracker.rng_offsets` hands DTensor's accelerator branch."""
+
+    spec: Any
+
+
+def run_dtensor_rng_op_hook(stock: Any) -> Any:
+    """DTensor's ``run_dtensor_rng_op`` (the HOP its accelerator branch runs a local random
+    op with), made to run the op in compile_rng's region when the offsets came from
+    :class:`Tracker`: eager and traced, no generator read or written, no HOP in a graph."""
+
+    def run_dtensor_rng_op(start: Any, end: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(start, _Region):
+            with distribute_region(TRACKER, start.spec):
+                return op(*args, **kwargs)
+        return stock(start, end, op, *args, **kwargs)
+
+    run_dtensor_rng_op._compile_rng_stock = stock
+    return run_dtensor_rng_op
+
+
+# Random ops DTensor's dispatcher runs without a distribute region.
+UNROUTED = [
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    aten.random_.to,
+    getattr(aten.random_, "from"),
+    aten.bernoulli_.Tensor,
+]
+
+
+def _describe(mesh: Any) -> str:
+    return f"the {mesh.device_type} mesh of ranks {mesh.mesh.tolist()}"
+
+
+def _local_operand(op_call, target: DTensor, a: Any) -> Any:
+    """``a``'s local tensor laid out like ``target``'s shard (as DTensor's own dispatch
+    would redistribute it); operands from another mesh or plain tensors are refused."""
+    if isinstance(a, DTensor):
+        if a.device_mesh != target.device_mesh:
+            raise ValueError(
+                f"compile_rng: {op_call}: an operand lives on {_describe(a.device_mesh)}, the tensor it "
+                f"fills on {_describe(target.device_mesh)}; move it to the target's mesh "
+                "(distribute_tensor / redistribute)"
+            )
+        return a.redistribute(target.device_mesh, target.placements).to_local()
+    if isinstance(a, torch.Tensor) and a.dim() > 0:
+        raise ValueError(
+            f"compile_rng: {op_call}: mixes a torch.Tensor operand with a DTensor; make it a DTensor on "
+            "the target's mesh (distribute_tensor or DTensor.from_local)"
+        )
+    return a
+
+
+def inplace_handler(op_call, args, kwargs):
+    target = args[0]
+    if not serves(target.device_mesh):
+        return installation.dtensor_dispatch_unhandled(op_call, args, kwargs)
+    if target.device_mesh.get_coordinate() is None:
+        # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
+        # nothing and does not advance its state.
+        return target
+    local_args = [target.to_local(), *(_local_operand(op_call, target, a) for a in args[1:])]
+    with distribute_region(rng_tracker(), dtensor_spec(target)):
+        op_call(*local_args, **kwargs)
+    return target
+
+
+TRACKER = Tracker()
+
+
+def installed() -> bool:
+    """Whether compile_rng's tracker is DTensor's tracker."""
+    return rng_tracker() is TRACKER

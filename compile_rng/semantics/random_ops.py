@@ -1,0 +1,274 @@
+"""Which aten random ops compile_rng replaces, and by what.
+
+One rule per functional aten overload maps a call to the functional ops of
+:mod:`compile_rng.ops` (plus plain aten arithmetic for derived distributions). The
+rules are written against :class:`RandomCall`, so the same table serves the graph pass
+(``compile_rng.passes.functionalize_rng``, rewriting FX nodes) and the DTensor tracker
+(:mod:`compile_rng.eager.tracker`, replacing the local op of a DTensor at dispatch time).
+In-place ops map to their functional overload through :data:`INPLACE`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from compile_rng import ops as _ops  # noqa: F401  (registers torch.ops.compile_rng)
+from compile_rng._torch.torch_internals import OpOverload, op_name
+
+aten = torch.ops.aten
+cr = torch.ops.compile_rng
+prims = torch.ops.prims
+
+
+class RandomCall(ABC):
+    """One random op call being replaced, with the counter layout it was assigned.
+
+    ``emit`` calls a functional op with this call's key and offset prepended; ``apply``
+    calls any other op (arithmetic on the result). Both return whatever the context
+    works with: FX nodes in the graph pass, tensors at dispatch time.
+    """
+
+    op: OpOverload  # the functional overload
+    dtype: torch.dtype  # output dtype
+
+    @abstractmethod
+    def arg(self, name: str, default: Any = None) -> Any: ...
+
+    @abstractmethod
+    def size(self) -> list:
+        """The output's shape (ints, SymInts or nodes)."""
+
+    @abstractmethod
+    def strides(self) -> list:
+        """Counter strides, one per output dim."""
+
+    @abstractmethod
+    def emit(self, target: OpOverload, *args: Any) -> Any: ...
+
+    @abstractmethod
+    def apply(self, target: Callable, *args: Any) -> Any: ...
+
+    def fail(self, why: str, fix: str) -> None:
+        raise ValueError(f"compile_rng: {self.op}: {why}; {fix}")
+
+
+def _probability(call: RandomCall, name: str) -> float:
+    p = float(call.arg(name))
+    if not 0.0 <= p <= 1.0:  # also rejects NaN
+        call.fail(f"{name}={p} is not a probability", "pass a value in [0, 1]")
+    return p
+
+
+def _float_dtype(call: RandomCall) -> torch.dtype:
+    from compile_rng.stream import FLOAT_DTYPES
+
+    if call.dtype not in FLOAT_DTYPES:
+        call.fail(f"dtype {call.dtype} has no continuous distribution", "use a floating-point tensor")
+    return call.dtype
+
+
+def _uniform(call: RandomCall) -> Any:
+    low, high = float(call.arg("from", 0.0)), float(call.arg("to", 1.0))
+    if not low <= high:
+        call.fail(f"from={low} > to={high}", "pass from <= to")
+    return call.emit(cr.uniform.default, call.size(), call.strides(), low, high, _float_dtype(call))
+
+
+def _standard_normal(call: RandomCall, mean: float = 0.0, std: float = 1.0) -> Any:
+    return call.emit(cr.normal.default, call.size(), call.strides(), mean, std, _float_dtype(call))
+
+
+def _normal(call: RandomCall) -> Any:
+    mean, std = call.arg("mean", 0.0), call.arg("std", 1.0)
+    if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+        if not std >= 0:
+            call.fail(f"std={std} is negative", "pass std >= 0")
+        return _standard_normal(call, float(mean), float(std))
+    # tensor mean and/or std: z * std + mean, broadcast like aten.normal
+    z = _standard_normal(call)
+    return call.apply(aten.add.Tensor, call.apply(aten.mul.Tensor, z, std), mean)
+
+
+def _exponential(call: RandomCall, dtype: torch.dtype | None = None, lambd: float | None = None) -> Any:
+    lambd = float(call.arg("lambd", 1.0)) if lambd is None else lambd
+    if not lambd > 0:
+        call.fail(f"lambd={lambd} is not positive", "pass lambd > 0")
+    dtype = dtype or _float_dtype(call)
+    return call.emit(cr.exponential.default, call.size(), call.strides(), lambd, dtype)
+
+
+def _log_normal(call: RandomCall) -> Any:
+    return call.apply(aten.exp.default, _normal(call))
+
+
+def _cauchy(call: RandomCall) -> Any:
+    median, sigma = float(call.arg("median", 0.0)), float(call.arg("sigma", 1.0))
+    u = call.emit(cr.uniform.default, call.size(), call.strides(), -0.5, 0.5, _float_dtype(call))
+    tan = call.apply(aten.tan.default, call.apply(aten.mul.Tensor, u, math.pi))
+    return call.apply(aten.add.Tensor, call.apply(aten.mul.Tensor, tan, sigma), median)
+
+
+def _geometric(call: RandomCall) -> Any:
+    # ceil of an exponential with rate -ln(1 - p) is geometric on {1, 2, ...}
+    p = _probability(call, "p")
+    if p == 0.0:
+        call.fail("p=0 never succeeds", "pass p in (0, 1]")
+    if p == 1.0:
+        return call.apply(aten.full.default, call.size(), 1, dtype=call.dtype)
+    e = _exponential(call, torch.float64, -math.log1p(-p))
+    return call.apply(prims.convert_element_type.default, call.apply(aten.ceil.default, e), call.dtype)
+
+
+def _bernoulli_p(call: RandomCall) -> Any:
+    return call.emit(cr.bernoulli.default, call.size(), call.strides(), _probability(call, "p"), call.dtype)
+
+
+def _bernoulli_tensor(call: RandomCall) -> Any:
+    p = call.arg("p", None)
+    if p is None:  # aten.bernoulli.default: the input holds the probabilities
+        p = call.arg("input")
+    else:
+        p = call.apply(aten.expand.default, p, call.size())
+    return call.emit(cr.bernoulli_tensor.default, p, call.strides(), call.dtype)
+
+
+def _dropout(call: RandomCall) -> Any:
+    if call.arg("train", True) is False:
+        call.fail("train=False has no randomness", "call it only in training mode")
+    return call.emit(cr.dropout.default, call.arg("input"), call.strides(), _probability(call, "p"))
+
+
+def _randint(call: RandomCall, low: int, high: int) -> Any:
+    if not low < high:
+        call.fail(f"empty range [{low}, {high})", "pass low < high")
+    return call.emit(cr.randint.default, call.size(), call.strides(), int(low), int(high), call.dtype)
+
+
+def _randint_args(call: RandomCall) -> Any:
+    return _randint(call, call.arg("low", 0), call.arg("high"))
+
+
+def _random_default_high(dtype: torch.dtype) -> int:
+    """``random_()``'s exclusive upper bound: every integer the dtype holds exactly."""
+    if dtype == torch.bool:
+        return 2
+    if dtype.is_floating_point:
+        return 2 ** (torch.finfo(dtype).nmant + 1) + 1
+    return torch.iinfo(dtype).max + 1
+
+
+def _random(call: RandomCall) -> Any:
+    low = call.arg("from", 0)
+    high = call.arg("to", None)
+    return _randint(call, low, _random_default_high(call.dtype) if high is None else high)
+
+
+RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
+    aten.rand.default: _uniform,
+    aten.rand_like.default: _uniform,
+    aten.uniform.default: _uniform,
+    aten.randn.default: _normal,
+    aten.randn_like.default: _normal,
+    aten.normal_functional.default: _normal,
+    aten.normal.float_float: _normal,
+    aten.normal.Tensor_float: _normal,
+    aten.normal.float_Tensor: _normal,
+    aten.normal.Tensor_Tensor: _normal,
+    aten.exponential.default: _exponential,
+    aten.log_normal.default: _log_normal,
+    aten.cauchy.default: _cauchy,
+    aten.geometric.default: _geometric,
+    aten.bernoulli.p: _bernoulli_p,
+    aten.bernoulli.default: _bernoulli_tensor,
+    aten.bernoulli.Tensor: _bernoulli_tensor,
+    aten.native_dropout.default: _dropout,
+    aten.randint.default: _randint_args,
+    aten.randint.low: _randint_args,
+    aten.randint_like.default: _randint_args,
+    aten.randint_like.low_dtype: _randint_args,
+    aten.random.default: _random,
+    getattr(aten.random, "from"): _random,
+    aten.random.to: _random,
+}
+
+#: In-place random ops and the functional overload whose rule replaces them.
+INPLACE: dict[OpOverload, OpOverload] = {
+    aten.uniform_.default: aten.uniform.default,
+    aten.normal_.default: aten.normal_functional.default,
+    aten.exponential_.default: aten.exponential.default,
+    aten.log_normal_.default: aten.log_normal.default,
+    aten.cauchy_.default: aten.cauchy.default,
+    aten.geometric_.default: aten.geometric.default,
+    aten.bernoulli_.float: aten.bernoulli.p,
+    aten.bernoulli_.Tensor: aten.bernoulli.Tensor,
+    aten.random_.default: aten.random.default,
+    getattr(aten.random_, "from"): getattr(aten.random, "from"),
+    aten.random_.to: aten.random.to,
+}
+
+
+def is_random(op: object) -> bool:
+    """Whether ``op`` is an aten overload that may draw from a generator."""
+    return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+# The ``nondeterministic_seeded`` tag says "may be random", not "is random for these
+# arguments": a fused attention or RNN kernel draws only for its dropout, which these
+# arguments switch off (SDPA at ``dropout_p=0``, an LSTM with ``dropout=0`` or ``train=False``).
+_NO_DROPOUT = {"dropout_p": 0.0, "dropout": 0.0, "train": False, "training": False}
+# Tagged, but never random: SDPA's backend choice, a nested-tensor softmax, and a cuDNN
+# attention kernel without dropout (torch 2.15).
+_NEVER_DRAWS = {"_fused_sdp_choice", "_nested_tensor_softmax_with_shape", "_cudnn_attention_forward_no_dropout_inplace"}
+
+
+def draws(op: OpOverload, kw: dict) -> bool:
+    """Whether a call of random-tagged ``op`` with normalized arguments ``kw`` draws."""
+    if op_name(op) in _NEVER_DRAWS:
+        return False
+    return not any(name in kw and kw[name] == off for name, off in _NO_DROPOUT.items())
+
+
+# Why a random op has no counter-based form here, and what to do instead, per op family;
+# the default covers the samplers (poisson, gamma, multinomial, randperm, ...).
+_FUSED_ATTENTION = (
+    "a fused attention kernel draws its own dropout mask",
+    "with dropout_p > 0 use the math backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH); "
+    "CPU picks it by itself), whose dropout is rewritten; dropout_p=0 needs nothing",
+)
+_FUSED_RNN = (
+    "the fused RNN kernel draws the dropout between its layers",
+    "set dropout=0 and put nn.Dropout between single-layer RNN modules, or run it in eval mode",
+)
+_FIXES = {
+    **dict.fromkeys(
+        [
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+            "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+            "_flash_attention_forward", "_flash_attention_forward_no_dropout_inplace", "_efficient_attention_forward",
+            "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention",
+            "_fill_mem_eff_dropout_mask_",
+        ],
+        _FUSED_ATTENTION,
+    ),
+    **dict.fromkeys(
+        ["lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps", "_cudnn_init_dropout_state"],
+        _FUSED_RNN,
+    ),
+    "_fused_dropout": ("the fused CUDA dropout kernel draws from the device generator", "call F.dropout, whose native_dropout is rewritten"),
+}
+_DEFAULT_FIX = (
+    "it has no counter-based form",
+    "move it out of the compiled region (torch.compiler.disable) or out of the DTensor program",
+)
+
+
+def unsupported(op: OpOverload) -> NotImplementedError:
+    why, fix = _FIXES.get(op_name(op), _DEFAULT_FIX)
+    return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")

@@ -1,0 +1,61 @@
+"""The rows of a step's global batch that the code running here processes.
+
+A leaf: the step (:mod:`compile_rng.eager.batches`) sets them; batched graphs
+(:mod:`compile_rng.compiled.backend`), eager plain-tensor random ops
+(:mod:`compile_rng.eager.dispatch_modes`) and eager DTensor random ops
+(:mod:`compile_rng.eager.tracker`) read them, so all three draw the same counters.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from compile_rng.stream import ceil4
+
+
+@dataclass(frozen=True)
+class Rows:
+    """This call's rows of the step's global batch: ``[start, start + count)`` of ``total``."""
+
+    start: int
+    count: int
+    total: int
+
+
+_rows: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("compile_rng_rows", default=None)
+
+
+def current_rows() -> Rows | None:
+    """The rows the innermost step or microbatch assigns to the code here (None outside a step)."""
+    return _rows.get()
+
+
+def set_rows(rows: Rows | None) -> contextvars.Token:
+    """Make ``rows`` current (undo with :func:`reset_rows`)."""
+    return _rows.set(rows)
+
+
+def reset_rows(token: contextvars.Token) -> None:
+    _rows.reset(token)
+
+
+def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[int, int]:
+    """``(row offset, advance)`` of an eager random op inside a step whose tensor (its
+    DTensor-global shape ``global_shape``) is batch-major: its rows are ``rows`` of the
+    global batch, so element ``(i, j...)`` draws counter ``row offset + i * row_numel +
+    j...`` of a range of ``ceil4(rows.total * row_numel)`` - what a batched graph's op
+    draws (:mod:`compile_rng.passes.functionalize_rng`)."""
+    if not global_shape or int(global_shape[0]) != rows.count:
+        raise NotImplementedError(
+            f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
+            f"batch here has {rows.count} rows: every random op in a step draws at its rows of the global "
+            "batch, so dim 0 must be the batch. Draw other randomness (data sampling, noise of another "
+            "shape) outside the step block, or transpose the tensor so the batch comes first"
+        )
+    row_numel = 1
+    for s in global_shape[1:]:
+        row_numel *= int(s)
+    return rows.start * row_numel, ceil4(rows.total * row_numel)

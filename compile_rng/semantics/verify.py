@@ -1,0 +1,137 @@
+"""Rank-divergence checks.
+
+SPMD random numbers are only right if every rank enters each compiled call with the
+same seed, the same offset and the same graph. A rank seeded differently, or one that
+ran an extra random op, silently desynchronizes every later value.
+
+* ``compile_rng.backend(verify=True)`` or ``COMPILE_RNG_VERIFY=1``: each compiled call
+  first all-gathers ``(seed, offset, graph signature)`` over the ranks that run the
+  graph and raises on every rank, naming the ranks that differ.
+* Always: the first eager DTensor random op on a mesh after each seeding checks that the
+  mesh's ranks hold one ``(seed, offset)`` (:func:`check_mesh_once`). Stock torch copies
+  rank 0's state there (a deprecated behaviour); silently different replicas are worse
+  than an error, so compile_rng raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from compile_rng._torch.torch_internals import disable_dynamo
+from compile_rng.stream import state
+
+
+def enabled(flag: object) -> bool:
+    """``flag``: False, True, or the DeviceMesh / ProcessGroup to check over."""
+    return (flag is not False and flag is not None) or os.environ.get("COMPILE_RNG_VERIFY", "") not in ("", "0")
+
+
+def signature(plan) -> str:
+    """A short hash of the graph's random ops: op, sharding, shapes, offsets."""
+    text = repr([(op.original, op.layout, str(op.sharding), str(op.offset), str(op.advance)) for op in plan.ops])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def groups_of(meshes: list, explicit: object = None) -> list:
+    """The process groups a compiled graph's check runs over: ``explicit`` (a DeviceMesh or
+    a ProcessGroup) if given, else the dims of the meshes of the graph's DTensor random
+    ops (the ranks that run it: a pipeline stage's graph is checked within the stage),
+    else the default group."""
+    if explicit is not None and explicit is not True:
+        meshes = [explicit] if hasattr(explicit, "get_group") else []
+        if not meshes:
+            return [explicit]
+    groups = []
+    for mesh in meshes:
+        for d in range(mesh.ndim):
+            group = mesh.get_group(d)
+            if group not in groups:
+                groups.append(group)
+    return groups or [dist.group.WORLD]
+
+
+def _disagreements(groups: list, mine: tuple) -> list[dict]:
+    """Per field of ``mine``: value -> ranks, for every group where the ranks disagree;
+    afterwards every rank of the groups knows whether any rank saw a disagreement."""
+    seen: list[dict] = []
+    for group in groups:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        for i in range(len(mine)):
+            values: dict = {}
+            for rank, other in zip(ranks, everyone):
+                values.setdefault(other[i], []).append(rank)
+            if len(values) > 1:
+                seen.append({"field": i, "values": values})
+    flag = torch.tensor([int(bool(seen))])
+    for group in groups:  # one pass over the dims reaches every rank of a mesh
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() and not seen:
+        seen.append({"field": None, "values": {}})
+    return seen
+
+
+def _describe(seen: list[dict], fields: tuple[str, ...]) -> str:
+    lines = []
+    for item in seen:
+        if item["field"] is None:
+            lines.append("  another rank of the group saw the ranks disagree")
+            continue
+        groups = "; ".join(f"ranks {ranks} have {value}" for value, ranks in item["values"].items())
+        line = f"  {fields[item['field']]}: {groups}"
+        if line not in lines:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _communicates(groups: list) -> bool:
+    return dist.is_initialized() and all(dist.get_backend(g) != "fake" for g in groups) and any(
+        dist.get_world_size(g) > 1 for g in groups
+    )
+
+
+def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
+    """Raise on every rank of ``groups`` unless they agree on ``(seed, offset, graph)``."""
+    if not _communicates(groups):
+        return
+    seen = _disagreements(groups, (seed, offset, graph))
+    if seen:
+        raise RuntimeError(
+            f"compile_rng verify: ranks disagree before compiled graph {name!r}:\n"
+            + _describe(seen, ("seed", "offset", "random-op signature")) + "\n"
+            "Seed every rank with the same torch.manual_seed / compile_rng.manual_seed and run the same "
+            "random ops on every rank of the mesh."
+        )
+
+
+_checked: set[tuple] = set()
+
+
+@disable_dynamo  # eager only: it communicates and reads the state (Dynamo imported lazily)
+def check_mesh_once(mesh) -> None:
+    """Raise on the mesh's ranks unless they all hold the same ``(seed, offset)``; runs a
+    collective over the mesh once per mesh and seeding (every rank of the mesh must
+    reach it: the first DTensor random op of an SPMD program does)."""
+    key = (state.seedings(), mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+    if key in _checked:
+        return
+    _checked.add(key)
+    if mesh.size() == 1 or not dist.is_initialized():
+        return
+    groups = groups_of([mesh])
+    if not _communicates(groups):
+        return
+    seen = _disagreements(groups, state.get_state(mesh.device_type))
+    if seen:
+        raise RuntimeError(
+            f"compile_rng: the ranks of the {mesh.device_type} mesh {mesh.mesh.tolist()} reach their first "
+            f"DTensor random op with different RNG states:\n{_describe(seen, ('seed', 'offset'))}\n"
+            "Replicas would silently differ. Seed every rank of an SPMD mesh alike (torch.manual_seed / "
+            "compile_rng.manual_seed / torch.distributed.tensor._random.manual_seed(seed, mesh)); pipeline "
+            "stages may use different seeds, ranks within a stage may not."
+        )

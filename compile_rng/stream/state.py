@@ -1,0 +1,138 @@
+"""The Philox state ``(seed, offset)`` per device type, both uint64 (docs/contract.md §1).
+
+On CPU, whose generator is not counter-based, compile_rng keeps the state itself
+(:mod:`compile_rng._torch.installation` makes ``torch.manual_seed`` restart it). On CUDA (and
+XPU) the state *is* the current device's generator's Philox state (``initial_seed()``,
+``get_offset()``), so compile_rng ops and eager CUDA ops share one stream, and
+``torch.manual_seed`` restarts it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+UINT64 = 2**64
+
+_lock = threading.Lock()
+_cpu_state: list[int] = [0, 0]
+_seedings = [0]  # how many times manual_seed ran: rank-agreement checks restart with each
+
+
+def check_uint64(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"compile_rng: {name} must be an int in [0, 2**64), got {value!r}")
+    if not 0 <= value < UINT64:
+        raise ValueError(f"compile_rng: {name} must be in [0, 2**64), got {value}")
+    return value
+
+
+def _device_type(device: str | torch.device) -> str:
+    return torch.device(device).type
+
+
+#: device types whose state is the device generator's Philox state
+ACCELERATORS = ("cuda", "xpu")
+
+
+def _generator(kind: str) -> torch.Generator:
+    module = getattr(torch, kind)
+    return module.default_generators[module.current_device()]
+
+
+def device_of(kind: str) -> torch.device:
+    """The device a stream of device type ``kind`` lives on (the current one)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind not in ACCELERATORS:
+        raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def manual_seed(seed: int) -> None:
+    """Restart every device's stream at ``(seed, 0)``. ``seed`` is a full uint64."""
+    seed = check_uint64("seed", seed)
+    with _lock:
+        _cpu_state[:] = [seed, 0]
+        _seedings[0] += 1
+    for kind in device_types()[1:]:
+        getattr(torch, kind).manual_seed_all(seed)
+
+
+def seedings() -> int:
+    """How many times :func:`manual_seed` has run in this process."""
+    return _seedings[0]
+
+
+def get_state(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """The current ``(seed, offset)`` of ``device``'s stream."""
+    kind = _device_type(device)
+    if kind == "cpu":
+        with _lock:
+            return _cpu_state[0], _cpu_state[1]
+    if kind in ACCELERATORS:
+        gen = _generator(kind)
+        return gen.initial_seed() % UINT64, gen.get_offset()
+    raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
+
+
+def set_state(seed: int, offset: int, device: str | torch.device = "cpu") -> None:
+    """Set ``device``'s stream to ``(seed, offset)``; both uint64."""
+    seed = check_uint64("seed", seed)
+    offset = check_uint64("offset", offset)
+    kind = _device_type(device)
+    if kind == "cpu":
+        with _lock:
+            _cpu_state[:] = [seed, offset]
+    elif kind in ACCELERATORS:
+        gen = _generator(kind)
+        gen.manual_seed(seed)
+        gen.set_offset(offset)
+    else:
+        raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
+
+
+def device_types() -> list[str]:
+    """The device types with a stream in this process: the CPU and available accelerators."""
+    return ["cpu", *(k for k in ACCELERATORS if hasattr(torch, k) and getattr(torch, k).is_available())]
+
+
+def snapshot() -> dict[str, tuple[int, int]]:
+    """Every device type's ``(seed, offset)`` (for :func:`restore`)."""
+    return {kind: get_state(kind) for kind in device_types()}
+
+
+def restore(saved: dict[str, tuple[int, int]]) -> None:
+    """Put back the states a :func:`snapshot` took."""
+    for kind, (seed, offset) in saved.items():
+        set_state(seed, offset, kind)
+
+
+def advance(increment: int, device: str | torch.device = "cpu") -> tuple[int, int]:
+    """Reserve ``increment`` counters; returns the ``(seed, offset)`` before the advance.
+
+    Raises instead of wrapping when the offset would pass 2**64: a wrapped stream
+    would silently repeat values.
+    """
+    if increment < 0:
+        raise ValueError(f"compile_rng: negative state advance {increment}")
+    kind = _device_type(device)
+    if kind != "cpu":
+        seed, offset = get_state(device)
+        # the generator's offset only: re-seeding it per op (set_state) is needless work
+        _generator(kind).set_offset(_checked_sum(offset, increment))
+        return seed, offset
+    with _lock:
+        seed, offset = _cpu_state
+        _cpu_state[1] = _checked_sum(offset, increment)
+        return seed, offset
+
+
+def _checked_sum(offset: int, increment: int) -> int:
+    if offset + increment >= UINT64:
+        raise OverflowError(
+            f"compile_rng: advancing the offset {offset} by {increment} would pass 2**64; "
+            "reseed with compile_rng.manual_seed()"
+        )
+    return offset + increment

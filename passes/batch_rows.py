@@ -1,0 +1,87 @@
+"""A batched graph's rows in the rewritten graph (:mod:`compile_rng.eager.batches`).
+
+The key input is ``[seed, base, row_start, rows_total]``; dim 0 of every random op is
+the batch, the op advances by ``ceil4(rows_total * row_numel)`` and starts ``row_start *
+row_numel`` into its range. Those terms are runtime values, so they are added to the
+op's key in the graph (int64 tensor arithmetic on the key), while the rest of the offset
+stays a SymInt (example in :mod:`compile_rng.passes.functionalize_rng`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+from compile_rng._torch.torch_internals import FloorDiv
+from compile_rng.passes.graph_nodes import call, source_of
+from compile_rng.passes.plan import BATCH_SYMBOLS, ROW_START, ROWS_TOTAL, RngPlan
+from compile_rng.passes.sym_emit import SymEmitter
+from torch import fx
+
+
+class BatchRows:
+    """A batched graph's rows: the key input ``[seed, base, row_start, rows_total]`` split
+    into the ops' key and the runtime row values, and the per-op offset terms in them."""
+
+    def __init__(self, graph: fx.Graph, key: fx.Node, emitter: SymEmitter, plan: RngPlan, first: fx.Node):
+        self.graph, self.emitter, self.plan = graph, emitter, plan
+        with graph.inserting_before(first):  # dominates every random op
+            self.key = call(graph, torch.ops.aten.slice.Tensor, key, 0, 0, 2)
+            start = call(graph, torch.ops.aten.select.int, key, 0, 2)
+            total = call(graph, torch.ops.aten.select.int, key, 0, 3)
+        self.values = {ROW_START: start, ROWS_TOTAL: total}
+
+    def row_numel(self, node: fx.Node, global_shape: tuple) -> sympy.Expr:
+        """Elements per batch row of an op whose (DTensor-global) shape is ``global_shape``;
+        checks that dim 0 is the graph's local batch."""
+        if not global_shape:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} draws a 0-d tensor in a batched graph, "
+                "whose random ops must all be on batch-major activations (dim 0 = the batch)"
+            )
+        rows = global_shape[0]
+        if self.plan.local_rows is None:
+            self.plan.local_rows = rows
+        elif sympy.simplify(rows - self.plan.local_rows) != 0:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} has dim 0 of size {rows}, but this "
+                f"batched graph's batch has {self.plan.local_rows} rows: in a batched backend every random "
+                "op must be on a batch-major activation (dim 0 = the batch); draw other randomness "
+                "outside the batched region"
+            )
+        return sympy.Mul(*global_shape[1:]) if len(global_shape) > 1 else sympy.Integer(1)
+
+    def key_and_offset(self, offset: sympy.Expr) -> tuple[fx.Node, Any]:
+        """The op's key node and its SymInt offset: the row terms of ``offset`` are added to
+        the key's base in the graph (they are runtime values), the rest is a SymInt."""
+        static, rows = sympy.expand(offset).as_independent(*BATCH_SYMBOLS, as_Add=True)
+        offset_value = self.emitter.emit(static)
+        if rows == 0:
+            return self.key, offset_value
+        g = self.graph
+        shift = self._tensor(rows)
+        head = call(g, torch.ops.aten.slice.Tensor, self.key, 0, 0, 1)
+        base = call(g, torch.ops.aten.add.Tensor, call(g, torch.ops.aten.slice.Tensor, self.key, 0, 1, 2), shift)
+        return call(g, torch.ops.aten.cat.default, [head, base]), offset_value
+
+    def _tensor(self, expr: sympy.Expr) -> Any:
+        """``expr`` as a 0-d int64 tensor node (or an int / SymInt node where it has no row term)."""
+        if not expr.free_symbols & set(BATCH_SYMBOLS):
+            return self.emitter.emit(expr)
+        if expr in self.values:
+            return self.values[expr]
+        g = self.graph
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            # keep the row-free factors together: one SymInt node, then one tensor op
+            fixed, varying = expr.as_independent(*BATCH_SYMBOLS, as_Add=isinstance(expr, sympy.Add))
+            op = torch.ops.aten.add.Tensor if isinstance(expr, sympy.Add) else torch.ops.aten.mul.Tensor
+            terms = [self._tensor(a) for a in (varying.args if isinstance(varying, type(expr)) else [varying])]
+            out = terms[0]
+            for t in terms[1:]:
+                out = call(g, op, out, t)
+            neutral = 0 if isinstance(expr, sympy.Add) else 1
+            return out if fixed == neutral else call(g, op, out, self._tensor(fixed))
+        if isinstance(expr, FloorDiv):
+            return call(g, torch.ops.aten.div.Tensor_mode, self._tensor(expr.args[0]), self._tensor(expr.args[1]), rounding_mode="floor")
+        raise NotImplementedError(f"compile_rng: cannot emit the batch offset term {expr}")

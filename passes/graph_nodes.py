@@ -1,0 +1,54 @@
+"""FX node helpers the passes share: a node's user source line, its value, size
+expressions, and new call nodes with their fake values."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import sympy
+import torch
+from compile_rng._torch.torch_internals import FloorDiv, detect_fake_mode, tree_leaves
+from torch import fx
+
+
+def source_of(node: fx.Node) -> str:
+    """``file:line`` of the innermost user frame that created ``node``; for an op inside
+    torch's own modules (``nn.Dropout`` in an ``nn.Sequential``: Dynamo records no user
+    frame) the innermost module, as ``path.in.model (Class)``; else ``?``."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    if frames:
+        parts = frames[-1].split(",")
+        return f"{parts[0][6:-1]}:{parts[1].split()[-1]}" if len(parts) > 1 else frames[-1]
+    modules = list((node.meta.get("nn_module_stack") or {}).values())
+    if modules:
+        path, cls = modules[-1][0], modules[-1][1]
+        path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # Dynamo's name of the compiled root module
+        path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path).lstrip(".")
+        name = getattr(cls, "__name__", str(cls))
+        return f"{path} ({name})" if path else name
+    return "?"
+
+
+def expr(v: Any) -> sympy.Expr:
+    return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
+
+
+def ceil4_expr(n: sympy.Expr) -> sympy.Expr:
+    return FloorDiv(n + 3, 4) * 4
+
+
+def first_val(node: fx.Node) -> Any:
+    val = node.meta["val"]
+    return val[0] if isinstance(val, (tuple, list)) else val
+
+
+def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """A call node with its fake value computed from its arguments' values."""
+    node = graph.call_function(target, args, kwargs)
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    tensors = [v for v in tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    with detect_fake_mode(tensors):
+        node.meta["val"] = target(*vals, **kwargs)
+    return node

@@ -1,0 +1,84 @@
+"""The plan: what the pass did to one compiled graph (the pass fills it; the backend, the
+plan store, the reports and ``verify`` read it), and the symbols of a batched graph's
+runtime rows in its offset expressions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from compile_rng.semantics.spmd import Sharding
+
+
+@dataclass
+class RewrittenOp:
+    """One random op the pass made functional (for tests, dumps and explain)."""
+
+    original: str
+    replacement: str
+    node: str  # name of the functional op's node in the rewritten graph
+    source: str  # "file:line" of the user code, if known
+    local_shape: tuple
+    dtype: torch.dtype
+    offset: sympy.Expr  # base of the op's counter range, relative to the call's key
+    advance: sympy.Expr
+    layout: str = "tracker"
+    sharding: Sharding | None = None  # None for plain tensors
+    start: sympy.Expr = sympy.Integer(0)  # the rank's first counter within the range
+    coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
+    mesh: Any = None  # the DeviceMesh of a DTensor op
+
+
+@dataclass
+class Unsupported:
+    """A random op the pass could not rewrite (collected instead of raised on request)."""
+
+    op: str
+    source: str
+    reason: str
+
+
+#: A batched graph's runtime rows (:mod:`compile_rng.eager.batches`), in offset expressions.
+ROW_START = sympy.Symbol("row_start", integer=True, nonnegative=True)
+ROWS_TOTAL = sympy.Symbol("rows_total", integer=True, nonnegative=True)
+BATCH_SYMBOLS = (ROW_START, ROWS_TOTAL)
+
+
+@dataclass
+class RngPlan:
+    """What the pass did to one compiled graph; filled in as the pass runs."""
+
+    name: str = "graph"  # which compiled function (set by the backend)
+    #: the backend's counter layout; a plain tensor (a one-rank replica) has the same
+    #: layout in both, and its ops are reported under this layout
+    layout: str = "tracker"
+    ops: list[RewrittenOp] = field(default_factory=list)
+    total_advance: sympy.Expr = sympy.Integer(0)
+    #: Python code of each graph before and after the pass rewrote it.
+    graphs_before: list[str] = field(default_factory=list)
+    graphs: list[str] = field(default_factory=list)
+    #: explain() sets this: unsupported ops are recorded and left in place.
+    collect_unsupported: bool = False
+    unsupported: list[Unsupported] = field(default_factory=list)
+    #: how often the pass ran on this plan's graphs (0: the compiled graph came from
+    #: AOTAutograd's cache, untraced, and the backend loaded this plan as it was filed)
+    pass_runs: int = 0
+    #: wall time spent in this pass, and in the whole backend compile (set by the backend)
+    pass_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    #: a batched graph: dim 0 of every random op is the batch (compile_rng.eager.batches);
+    #: ``local_rows`` is that dim's size, the same for every op (None until one is seen)
+    batched: bool = False
+    local_rows: sympy.Expr | None = None
+    #: positions among the traced graph's inputs (the key not counted) that a plain-tensor
+    #: random op's tensor is computed from, and how many inputs that graph has: the
+    #: backend refuses a tensor-parallel rank's local piece there (compile_rng.semantics.local_values)
+    draw_inputs: tuple[int, ...] = ()
+    traced_inputs: int = 0
+
+    @property
+    def loaded_from_cache(self) -> bool:
+        """The compiled graph came from AOTAutograd's cache and this plan was loaded."""
+        return self.pass_runs == 0
