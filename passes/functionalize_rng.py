@@ -62,7 +62,7 @@ from compile_rng.passes.dropout_backward import dropout_backward_from_stream
 from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of
 from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, RewrittenOp, RngPlan, Unsupported
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
-from compile_rng.semantics.random_ops import RULES, RandomCall, draws, is_random, unsupported
+from compile_rng.semantics.random_ops import RULES, RandomCall, draws, is_random, normalized_arguments, unsupported
 from compile_rng.semantics.spmd import contiguous_strides
 from torch import fx
 
@@ -74,14 +74,10 @@ class _GraphCall(RandomCall):
 
     def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter):
         self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
-        self.kw = _normalized(node)
+        self.kw = normalized_arguments(node.target, node.args, node.kwargs)
         val = first_val(node)
         self.dtype = val.dtype
         self.shape = [expr(s) for s in val.shape]
-
-    def arg(self, name, default=None):
-        value = self.kw.get(name)
-        return default if value is None else value
 
     def size(self):
         return [self.emitter.emit(s) for s in self.shape]
@@ -126,17 +122,10 @@ def find_key(graph: fx.Graph, batched: bool = False) -> fx.Node:
     return key
 
 
-def _normalized(node: fx.Node) -> dict:
-    from torch.fx.operator_schemas import normalize_function
-
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    return dict(normalized.kwargs) if normalized is not None else dict(node.kwargs)
-
-
 def _draws(node: fx.Node) -> bool:
     """Whether ``node`` is a random op that draws for its arguments (SDPA at
     ``dropout_p=0`` carries the random tag but does not)."""
-    return is_random(node.target) and (node.target in RULES or draws(node.target, _normalized(node)))
+    return is_random(node.target) and (node.target in RULES or draws(node.target, normalized_arguments(node.target, node.args, node.kwargs)))
 
 
 def _check_plain(node: fx.Node, key: fx.Node) -> None:

@@ -3,12 +3,11 @@ expressions, and new call nodes with their fake values."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import FloorDiv, detect_fake_mode, tree_leaves
+from compile_rng._torch.torch_internals import FloorDiv, detect_fake_mode, dynamo_module_path, tree_leaves
 from torch import fx
 
 
@@ -24,8 +23,7 @@ def source_of(node: fx.Node) -> str:
     modules = list((node.meta.get("nn_module_stack") or {}).values())
     if modules:
         path, cls = modules[-1][0], modules[-1][1]
-        path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # Dynamo's name of the compiled root module
-        path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path).lstrip(".")
+        path = dynamo_module_path(path)
         name = getattr(cls, "__name__", str(cls))
         return f"{path} ({name})" if path else name
     return "?"

@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compile_rng
-from compile_rng.eager import tracker
+from compile_rng.eager import unrouted_ops
+from compile_rng.stream import state
 
 
 @pytest.mark.parametrize("seed_with", ["torch.manual_seed", "compile_rng.manual_seed"])
@@ -61,7 +62,7 @@ def test_accelerator_branch_gets_torchs_offsets_on_meshes_compile_rng_does_not_s
             torch.empty(local_zeros(shape, DeviceMesh("cpu", [0, 1, 2, 3]), placements).to_local().shape, device="meta"),
             mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(),
         )._spec
-        assert not tracker.serves(mesh)
+        assert not state.serves(mesh)
         torch.manual_seed(1)  # seeding leaves the offsets of such a mesh as torch's
         # the method DTensor's accelerator branch calls (after asserting the tracker is an
         # OffsetBasedRNGTracker): torch's (start, end) for this spec
@@ -121,7 +122,7 @@ def test_op_handlers_hand_unserved_meshes_to_stock_dispatch(monkeypatch):
                     for name, call in calls.items()}
 
         with monkeypatch.context() as m:  # stock torch: compile_rng's handlers removed
-            for op in tracker.UNROUTED:
+            for op in unrouted_ops.UNROUTED:
                 m.delitem(handlers, op)
             stock = run_all()
 

@@ -58,6 +58,8 @@ MUTATORS = frozenset({
     "__delattr__", "append", "extend", "insert", "remove", "add", "discard",
 })
 PRIVATE_TORCH_MODULE = re.compile(r"torch(\.\w+)*\._\w*(\.\w+)*")
+#: a Dynamo source (``L['x']``), also as a regular expression (``L\['``)
+DYNAMO_SOURCE = re.compile(r"\bL\\?\[\\?['\"]")
 
 
 def _private(name: str) -> bool:
@@ -303,7 +305,7 @@ def boundary_violations(modules: list[Module]) -> list[str]:
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                     if PRIVATE_TORCH_MODULE.fullmatch(node.value):
                         report(node, "private torch module named", repr(node.value))
-                    elif "L['" in node.value or 'L["' in node.value:
+                    elif DYNAMO_SOURCE.search(node.value):
                         report(node, "Dynamo source string", repr(node.value))
                     elif node.value in undocumented:
                         report(node, "undocumented Dynamo field", repr(node.value))
@@ -384,7 +386,7 @@ def leaks(x, gm):
     verbose = torch._dynamo.config.verbose
     mode = torch.utils._python_dispatch._get_current_dispatch_mode()
     importlib.import_module("torch._inductor.config")
-    source = "L['x']"
+    source = "L['x']"; pattern = r"^L\\['x'\\]"
     reason = gm.compile_subgraph_reason
     spec = x._spec
     mine = Own()._mine
@@ -417,6 +419,7 @@ def test_the_scan_finds_what_it_should():
         "28: private attribute: torch.utils._python_dispatch._get_current_dispatch_mode",
         "29: private torch module named: 'torch._inductor.config'",
         "30: Dynamo source string: \"L['x']\"",
+        "30: Dynamo source string: \"^L\\\\['x'\\\\]\"",
         "31: undocumented Dynamo field: gm.compile_subgraph_reason",
         "32: private attribute: x._spec",
         "35: change to torch outside installation.py: setattr(DTensor, ...)",

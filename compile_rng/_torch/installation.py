@@ -46,8 +46,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.abc
-import importlib.util
 import inspect
 import sys
 import threading
@@ -58,8 +56,10 @@ from typing import Any
 import torch
 
 from compile_rng._torch import torch_internals
+from compile_rng._torch.import_hooks import after_import, cancel_pending
 from compile_rng.eager import trunc_normal
 from compile_rng.semantics import local_values
+from compile_rng import stream
 from compile_rng.stream import state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
@@ -90,15 +90,15 @@ def install() -> None:
         torch.random.fork_rng = _fork_rng_hook(_stock["fork_rng"])
     # The tracker module imports DTensor; whichever of the two is imported first, the
     # tracker is installed once its module is complete.
-    _after_import("torch.distributed.tensor", _import_tracker)
-    _after_import("compile_rng.eager.tracker", _install_tracker)
+    after_import("torch.distributed.tensor", _import_tracker)
+    after_import("compile_rng.eager.tracker", _install_tracker)
 
 
 def uninstall() -> None:
     """Give torch back its own seeding, ``trunc_normal_`` and DTensor tracker.
     compile_rng's functions stay usable; :func:`install` (or :func:`manual_seed`)
     installs it again."""
-    _pending.clear()
+    cancel_pending()
     if "manual_seed" in _stock:
         torch.random.manual_seed = _stock["manual_seed"]
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
@@ -110,7 +110,7 @@ def uninstall() -> None:
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
         torch.random.fork_rng = _stock["fork_rng"]
     if "rng_tracker" in _stock:
-        from compile_rng.eager import tracker
+        from compile_rng.eager import unrouted_ops
 
         torch_internals.set_rng_tracker(_stock["rng_tracker"])
         torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
@@ -119,8 +119,8 @@ def uninstall() -> None:
 
         DTensor.to_local = _stock["to_local"]
         handlers = torch_internals.dtensor_op_handlers()
-        for op in tracker.UNROUTED:
-            if handlers.get(op) is tracker.inplace_handler:
+        for op in unrouted_ops.UNROUTED:
+            if handlers.get(op) is unrouted_ops.inplace_handler:
                 del handlers[op]
     _stock.clear()
 
@@ -137,7 +137,7 @@ def _manual_seed_hook(original: Callable) -> Callable:
     def manual_seed_hook(seed):
         result = original(seed)
         # torch accepts negative seeds and reduces them mod 2**64; mirror that.
-        manual_seed(int(seed) % state.UINT64)
+        manual_seed(stream.as_uint64(seed))
         return result
 
     manual_seed_hook._compile_rng_hook = True
@@ -187,9 +187,11 @@ def _install_tracker(tracker: ModuleType) -> None:
         dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
         DTensor.to_local = _to_local_hook(DTensor.to_local)
     torch_internals.set_rng_tracker(tracker.TRACKER)
+    from compile_rng.eager import unrouted_ops
+
     handlers = torch_internals.dtensor_op_handlers()
-    for op in tracker.UNROUTED:
-        handlers[op] = tracker.inplace_handler
+    for op in unrouted_ops.UNROUTED:
+        handlers[op] = unrouted_ops.inplace_handler
 
 
 def _to_local_hook(stock: Callable) -> Callable:
@@ -266,54 +268,3 @@ def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
         yield
     finally:
         del dispatcher.redistribute_local_args
-
-
-# --- post-import hooks ----------------------------------------------------------------
-
-_pending: dict[str, list[Callable[[ModuleType], None]]] = {}
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs the callbacks :func:`_after_import` registered for a module once its import
-    has completed (the module object is the one in ``sys.modules``)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _pending:
-            return None
-        sys.meta_path.remove(self)  # find the real spec without recursing into this finder
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-
-        class _ThenCallbacks(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                module.__spec__.loader = module.__loader__ = loader
-                loader.exec_module(module)
-                for callback in _pending.pop(fullname, []):
-                    callback(module)
-
-        spec.loader = _ThenCallbacks()
-        return spec
-
-
-_FINDER = _AfterImport()
-
-
-def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
-    """``callback(module)`` now if ``name`` is imported, else right after its import."""
-    module = sys.modules.get(name)
-    if module is not None:
-        callback(module)
-        return
-    callbacks = _pending.setdefault(name, [])
-    if callback not in callbacks:
-        callbacks.append(callback)
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import re
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "current_dispatch_mode",
     "default_partition",
     "detect_fake_mode",
+    "dynamo_module_path",
     "disable_dynamo",
     "distribute_region",
     "graph_compile_id",
@@ -613,3 +615,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(value, attribute)
     globals()[name] = value
     return value
+
+
+def dynamo_module_path(path: str) -> str:
+    """The dotted module path (``layers.0.attn``) of a Dynamo ``nn_module_stack`` entry's
+    path: Dynamo spells it from the root module's source (``L['self']``) and its
+    ``_modules['layers']`` lookups, an undocumented format (2.13.0, 2.15.0)."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    return re.sub(r"\._modules\['([^']*)'\]", r".\1", path).lstrip(".")

@@ -13,6 +13,7 @@ Nothing here needs DTensor: plain-tensor code pays no DTensor import.
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +30,15 @@ from compile_rng._torch.torch_internals import (
     pop_dispatch_mode_temporarily,
 )
 from compile_rng.semantics import local_values
-from compile_rng.semantics.random_ops import INPLACE, RULES, RandomCall, draws, is_random, unsupported
+from compile_rng.semantics.random_ops import (
+    INPLACE,
+    RULES,
+    RandomCall,
+    draws,
+    is_random,
+    normalized_arguments,
+    unsupported,
+)
 from compile_rng.semantics.rows import batch_window, current_rows
 from compile_rng.stream import ceil4, contiguous_strides, state
 
@@ -61,12 +70,12 @@ def drawn_shape(func: OpOverload, args: tuple, kwargs: dict) -> list | None:
     functional = INPLACE.get(func, func)
     if functional not in RULES:
         return None
-    return list(_out_shape_dtype(functional, _normalize(func, args, kwargs))[0])
+    return list(_out_shape_dtype(functional, normalized_arguments(func, args, kwargs))[0])
 
 
 def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
     """The device random op ``func`` draws on, from its arguments."""
-    return _out_device(_normalize(func, args, kwargs))
+    return _out_device(normalized_arguments(func, args, kwargs))
 
 
 @dataclass(frozen=True)
@@ -92,10 +101,6 @@ class _TensorCall(RandomCall):
         self._strides, self._size, self.dtype = strides, size, dtype
         self.out = out  # an in-place op's target: the values may be written straight into it
 
-    def arg(self, name, default=None):
-        value = self.kw.get(name)
-        return default if value is None else value
-
     def size(self):
         return self._size
 
@@ -110,13 +115,6 @@ class _TensorCall(RandomCall):
 
     def apply(self, target, *args, **kwargs):
         return target(*args, **kwargs)
-
-
-def _normalize(func: OpOverload, args: tuple, kwargs: dict) -> dict:
-    from torch.fx.operator_schemas import normalize_function
-
-    normalized = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True)
-    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
 
 
 def _generator_error(func: OpOverload) -> NotImplementedError:
@@ -176,13 +174,13 @@ class RandomOpMode(TorchDispatchMode):
             return eager_shards.dispatch(func, args, kwargs)
         if functional not in RULES:
             if is_random(func):
-                kw = _normalize(func, args, kwargs)
+                kw = normalized_arguments(func, args, kwargs)
                 if kw.get("generator") is not None:
                     raise _generator_error(func)
                 if draws(func, kw):
                     raise unsupported(func)
             return func(*args, **kwargs)
-        kw = _normalize(func, args, kwargs)
+        kw = normalized_arguments(func, args, kwargs)
         if kw.get("generator") is not None:
             raise _generator_error(func)
         device = _out_device(kw)
@@ -254,10 +252,7 @@ def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
     rows = current_rows()
     if rows is None:
-        numel = 1
-        for s in size:
-            numel *= s
-        offset, advance = 0, ceil4(numel)
+        offset, advance = 0, ceil4(math.prod(size))
     else:
         offset, advance = batch_window(func, size, rows)
     seed, base = state.advance(advance, device)

@@ -28,20 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from compile_rng import ops as cr_ops
 
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
-from compile_rng._torch import installation
 from compile_rng._torch.torch_internals import (
     OffsetBasedRNGTracker,
     detect_fake_mode,
     disable_dynamo,
     distribute_region,
     dtensor_rng_tracker_base,
-    dtensor_spec,
     get_proxy_mode,
     local_tensor_mode_enabled,
     mesh_coordinate_of_rank,
@@ -120,7 +117,7 @@ class Tracker(dtensor_rng_tracker_base()):
     @contextlib.contextmanager
     def region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
         """The region DTensor runs a random op's local op in (its ``_distribute_region``)."""
-        if not serves(spec.mesh):
+        if not state.serves(spec.mesh):
             fallback = self.fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled
             with distribute_region(fallback, spec, generator):
@@ -205,7 +202,7 @@ class Tracker(dtensor_rng_tracker_base()):
         """What DTensor's accelerator branch passes to run_dtensor_rng_op (its
         ``_compute_rng_offsets``), where run_dtensor_rng_op_hook opens this tracker's
         region for the spec instead."""
-        if not serves(spec.mesh):
+        if not state.serves(spec.mesh):
             return self.stock_rng_offsets(spec)
         return _Region(spec), None
 
@@ -218,12 +215,6 @@ class Tracker(dtensor_rng_tracker_base()):
     def reseed(self, parallel_seed: int) -> None:
         """DTensor's ``manual_seed(seed, mesh)`` (its ``_manual_seed``)."""
         state.manual_seed(parallel_seed)
-
-
-def serves(mesh: Any) -> bool:
-    """Whether compile_rng's semantics apply to ``mesh``'s random ops (its device type
-    has a compile_rng stream: CPU, CUDA, XPU)."""
-    return mesh.device_type == "cpu" or mesh.device_type in state.ACCELERATORS
 
 
 @dataclass(frozen=True)
@@ -246,56 +237,6 @@ def run_dtensor_rng_op_hook(stock: Any) -> Any:
 
     run_dtensor_rng_op._compile_rng_stock = stock
     return run_dtensor_rng_op
-
-
-# Random ops DTensor's dispatcher runs without a distribute region.
-UNROUTED = [
-    aten.exponential_.default,
-    aten.log_normal_.default,
-    aten.cauchy_.default,
-    aten.geometric_.default,
-    aten.random_.default,
-    aten.random_.to,
-    getattr(aten.random_, "from"),
-    aten.bernoulli_.Tensor,
-]
-
-
-def _describe(mesh: Any) -> str:
-    return f"the {mesh.device_type} mesh of ranks {mesh.mesh.tolist()}"
-
-
-def _local_operand(op_call, target: DTensor, a: Any) -> Any:
-    """``a``'s local tensor laid out like ``target``'s shard (as DTensor's own dispatch
-    would redistribute it); operands from another mesh or plain tensors are refused."""
-    if isinstance(a, DTensor):
-        if a.device_mesh != target.device_mesh:
-            raise ValueError(
-                f"compile_rng: {op_call}: an operand lives on {_describe(a.device_mesh)}, the tensor it "
-                f"fills on {_describe(target.device_mesh)}; move it to the target's mesh "
-                "(distribute_tensor / redistribute)"
-            )
-        return a.redistribute(target.device_mesh, target.placements).to_local()
-    if isinstance(a, torch.Tensor) and a.dim() > 0:
-        raise ValueError(
-            f"compile_rng: {op_call}: mixes a torch.Tensor operand with a DTensor; make it a DTensor on "
-            "the target's mesh (distribute_tensor or DTensor.from_local)"
-        )
-    return a
-
-
-def inplace_handler(op_call, args, kwargs):
-    target = args[0]
-    if not serves(target.device_mesh):
-        return installation.dtensor_dispatch_unhandled(op_call, args, kwargs)
-    if target.device_mesh.get_coordinate() is None:
-        # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
-        # nothing and does not advance its state.
-        return target
-    local_args = [target.to_local(), *(_local_operand(op_call, target, a) for a in args[1:])]
-    with distribute_region(rng_tracker(), dtensor_spec(target)):
-        op_call(*local_args, **kwargs)
-    return target
 
 
 TRACKER = Tracker()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from compile_rng._torch.torch_internals import disable_dynamo, dispatch_mode_stack
 from compile_rng.eager import dispatch_modes
+from compile_rng import stream
 from compile_rng.stream import state
 from compile_rng.stream.cpu_kernel import normal_f32_at
 
@@ -63,7 +64,7 @@ def _on_the_stream(tensor: torch.Tensor) -> bool:
     if _is_dtensor(tensor):
         from compile_rng.eager import tracker
 
-        return tracker.serves(tensor.device_mesh) and tracker.installed()
+        return state.serves(tensor.device_mesh) and tracker.installed()
     return any(isinstance(m, dispatch_modes.RandomOpMode) for m in dispatch_mode_stack())
 
 
@@ -170,8 +171,8 @@ def trunc_normal_(
             # a shard drawn piecewise (uneven _StridedShard) has no one window to redraw at
             return _redraw_loop(tensor, mean, std, lo, hi, drawn=True)
         (draw,) = log
-        seed, base = (int(v) % state.UINT64 for v in draw.key.tolist())
-        advance = (state.get_state(draw.key.device)[1] - base) % state.UINT64
+        seed, base = (stream.as_uint64(v) for v in draw.key.tolist())
+        advance = stream.as_uint64(state.get_state(draw.key.device)[1] - base)
         local = tensor.to_local() if _is_dtensor(tensor) else tensor
         flat = local.reshape(-1)  # a copy for a non-contiguous view (a chunk of a fused weight)
         low_value, high_value = torch.aminmax(flat) if flat.numel() else (lo, hi)

@@ -25,6 +25,15 @@ cr = torch.ops.compile_rng
 prims = torch.ops.prims
 
 
+def normalized_arguments(op: OpOverload, args: tuple, kwargs: dict) -> dict:
+    """``op``'s arguments by name (positional ones too), as its schema names them; the
+    eager modes and the graph pass read random ops' arguments through this one view."""
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(op, args, kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
+
+
 class RandomCall(ABC):
     """One random op call being replaced, with the counter layout it was assigned.
 
@@ -35,9 +44,12 @@ class RandomCall(ABC):
 
     op: OpOverload  # the functional overload
     dtype: torch.dtype  # output dtype
+    kw: dict  # the op's arguments by name (:func:`normalized_arguments`)
 
-    @abstractmethod
-    def arg(self, name: str, default: Any = None) -> Any: ...
+    def arg(self, name: str, default: Any = None) -> Any:
+        """Argument ``name``, or ``default`` where it is absent or None."""
+        value = self.kw.get(name)
+        return default if value is None else value
 
     @abstractmethod
     def size(self) -> list:

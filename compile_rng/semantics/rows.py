@@ -8,6 +8,8 @@ A leaf: the step (:mod:`compile_rng.eager.batches`) sets them; batched graphs
 
 from __future__ import annotations
 
+import math
+
 import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,7 +57,5 @@ def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[i
             "batch, so dim 0 must be the batch. Draw other randomness (data sampling, noise of another "
             "shape) outside the step block, or transpose the tensor so the batch comes first"
         )
-    row_numel = 1
-    for s in global_shape[1:]:
-        row_numel *= int(s)
+    row_numel = math.prod(int(s) for s in global_shape[1:])
     return rows.start * row_numel, ceil4(rows.total * row_numel)

@@ -296,9 +296,7 @@ def philox_words(
     ``c2`` selects the third counter word (0 for the canonical stream, 1 for the
     high halves of 64-bit integers).
     """
-    numel = 1
-    for s in size:
-        numel *= s
+    numel = math.prod(size)
     words = torch.empty([*size, 2] if pair else list(size), dtype=torch.int64)
     lane_out = torch.empty(list(size), dtype=torch.int64) if lanes else None
     if numel:

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-UINT64 = 2**64
+from compile_rng.stream import UINT64
 
 _lock = threading.Lock()
 _cpu_state: list[int] = [0, 0]
@@ -34,6 +34,13 @@ def _device_type(device: str | torch.device) -> str:
 
 #: device types whose state is the device generator's Philox state
 ACCELERATORS = ("cuda", "xpu")
+
+
+def serves(mesh: object) -> bool:
+    """Whether compile_rng's semantics apply to ``mesh``'s random ops: its device type has
+    a compile_rng stream (CPU, CUDA, XPU)."""
+    device_type = mesh.device_type
+    return device_type == "cpu" or device_type in ACCELERATORS
 
 
 def _generator(kind: str) -> torch.Generator:
