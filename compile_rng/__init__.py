@@ -14,7 +14,10 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   ``backend="compile_rng"`` (its graphs only).
 * :func:`step` - a training step for ``backend(layout="invariant", batched=True)``:
   activations draw at their rows of the step's global batch, so data parallelism and
-  microbatching leave the values unchanged (:mod:`compile_rng.eager.batches`).
+  microbatching leave the values unchanged (:mod:`compile_rng.eager.batches`);
+  ``step(..., names=model_or_pipeline_stages)``: every eager random op draws from the
+  stream named by its module in the model, so pipeline stages draw the single
+  process's masks (:mod:`compile_rng.semantics.named_draws`).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(layout="invariant")`` on a
   weight-initialization function (``streams="fqn"``: one stream per parameter name);
   :func:`layout` - the counter layout of eager DTensor ops (:func:`mode`: its deprecated

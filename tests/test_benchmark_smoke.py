@@ -151,3 +151,15 @@ def test_bench_import_smoke():
     assert set(rows) == {"import torch", "import compile_rng", "import torch + DTensor", "import compile_rng + DTensor",
                          "python -m compile_rng --help"}
     assert rows["import torch"][1] == "1.00x"
+
+
+def test_bench_pipeline_smoke():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--dim", "32",
+         "--elements", "4096"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    modes = [line.split()[0] for line in run.stdout.splitlines() if line.split()[:1] in (["names"], ["tracker"], ["stock"])]
+    assert modes == ["names", "tracker", "stock"]
+    assert "name a draw (cached seed)" in run.stdout

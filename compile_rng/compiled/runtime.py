@@ -16,6 +16,7 @@ from compile_rng.eager import dispatch_modes
 from compile_rng.ops import make_key
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
 from compile_rng.semantics import local_values, verify
+from compile_rng.semantics.named_draws import current_namer
 from compile_rng.semantics.rows import Rows, current_rows
 from compile_rng.stream import state
 
@@ -106,6 +107,13 @@ class CompiledGraph:
         verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
 
     def __call__(self, *args: Any) -> Any:
+        if self.plan.ops and current_namer() is not None:
+            raise NotImplementedError(
+                f"compile_rng: the compiled graph {self.plan.name} draws random numbers inside a "
+                "compile_rng.step(names=...): compiled graphs draw from the step's sequence, not from "
+                "named streams (not supported yet). Run the stages eagerly in a step with names=, or "
+                "use compile_rng.step without names= (no pipeline parallelism)"
+            )
         if self.check:
             self._check_ranks()
         if self.key_of is not None:

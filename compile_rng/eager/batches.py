@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from compile_rng.eager import dispatch_modes
+from compile_rng.eager import activation_names, dispatch_modes
+from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
 from compile_rng.semantics.rows import Rows, reset_rows, set_rows
-from compile_rng.stream import state
+from compile_rng.stream import as_int64, state
 
 
 def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
@@ -129,7 +130,10 @@ class Step:
 
 
 @contextlib.contextmanager
-def step(local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None) -> Iterator[Step]:
+def step(
+    local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None,
+    names: Any = None, microbatches: int | None = None,
+) -> Iterator[Step]:
     """One training step of ``local_batch`` rows on this rank.
 
     ``data_parallel`` (a 1-D DeviceMesh or a process group) is what the global batch is
@@ -137,14 +141,85 @@ def step(local_batch: int, *, data_parallel: Any = None, global_batch: int | Non
     sizes gathered once here (one tiny all-gather), or - with ``global_batch`` given -
     taken to be DTensor's ``Shard(0)`` split of it. Batched graphs called in the block
     draw at this rank's rows; use :meth:`Step.microbatch` for gradient accumulation.
+
+    ``names`` (the model, or this rank's ``PipelineStage`` objects) makes every eager
+    random op in the block draw from the stream of its name in the model instead of the
+    step's sequence (:mod:`compile_rng.semantics.named_draws`), so that pipeline stages
+    draw the single process's masks; with stages, ``microbatches`` is the schedule's
+    ``n_microbatches`` and each stage's microbatch ``i`` draws at its rows.
     """
     if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
         raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
-    s = Step(_rank_rows(local_batch, data_parallel, global_batch))
-    token = set_rows(s.rows)
+    rows = _rank_rows(local_batch, data_parallel, global_batch)
+    if names is None:
+        if microbatches is not None:
+            raise ValueError("compile_rng.step: microbatches= goes with names=<pipeline stages>")
+        with _rows_and_stream(rows, rows) as s:
+            yield s
+        s._finish()
+        return
+    with _named(rows, names, microbatches) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def _rows_and_stream(rows: Rows, current: Rows | None) -> Iterator[Step]:
+    """A :class:`Step` of ``rows``, with ``current`` the rows the block's code draws at."""
+    s = Step(rows)
+    token = set_rows(current)
     try:
         with dispatch_modes.compiled_call():  # eager random ops in the block draw at the rows too
             yield s
     finally:
         reset_rows(token)
+
+
+@contextlib.contextmanager
+def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
+    roots, stages = activation_names.roots_of(names)
+    if not stages and microbatches is not None:
+        raise ValueError(
+            "compile_rng.step: microbatches= goes with names=<pipeline stages>; one process splits "
+            "its batch with Step.microbatch"
+        )
+    if stages and (isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(
+            "compile_rng.step(names=<pipeline stages>): pass microbatches=, the schedule's n_microbatches "
+            f"(got {microbatches!r})"
+        )
+    start = state.snapshot()
+    _check_ranks_agree(start)
+    namer = activation_names.ActivationNames(roots, start, split=bool(stages))
+    namer_token = set_namer(namer)
+    pipeline = (
+        activation_names.microbatch_rows_of(stages, rows, microbatches) if stages else contextlib.nullcontext()
+    )
+    try:
+        # Pipeline stages: rows only inside a microbatch (the schedule's shape inference
+        # runs a forward outside any: it draws by name and changes nothing).
+        with namer.hooked(), pipeline, _rows_and_stream(rows, None if stages else rows) as s:
+            yield s
+    finally:
+        reset_namer(namer_token)
     s._finish()
+    for kind, (seed, base) in start.items():
+        state.set_state(seed, base + STEP_STRIDE, kind)
+
+
+def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
+    """Every rank must begin the step at the same stream position (the single process's):
+    a stage seeded ``seed + pp_rank`` (torchtitan, Megatron) would draw other masks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = torch.tensor([as_int64(v) for v in start["cpu"]], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    if any(not torch.equal(g, mine) for g in gathered):
+        raise RuntimeError(
+            f"compile_rng.step(names=...): the ranks begin the step at different stream positions (this "
+            f"rank's (seed, offset) is {start['cpu']}): every rank must be seeded alike - a pipeline stage "
+            "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
+            "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed"
+        )

@@ -39,8 +39,9 @@ from compile_rng.semantics.random_ops import (
     normalized_arguments,
     unsupported,
 )
+from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.rows import batch_window, current_rows
-from compile_rng.stream import ceil4, contiguous_strides, state
+from compile_rng.stream import ceil4, contiguous_strides
 
 
 def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
@@ -255,7 +256,7 @@ def _plain_counters(func, size, device):
         offset, advance = 0, ceil4(math.prod(size))
     else:
         offset, advance = batch_window(func, size, rows)
-    seed, base = state.advance(advance, device)
+    seed, base = draw_position(func, advance, device)
     return cr_ops.make_key(seed, base, device), offset, contiguous_strides(size)
 
 

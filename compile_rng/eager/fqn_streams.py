@@ -28,7 +28,6 @@ sharing a stream.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from compile_rng._torch.torch_internals import (
 )
 from compile_rng.eager import dispatch_modes
 from compile_rng.semantics.random_ops import is_random
-from compile_rng.stream import state
+from compile_rng.stream import named_seed, state
 
 _DOMAIN = b"compile_rng/fqn/v1"
 ANONYMOUS = "<anonymous>"
@@ -73,8 +72,7 @@ _ALLOCATE_LIKE = {
 
 def derive_seed(seed: int, fqn: str) -> int:
     """The 64-bit seed of the stream of the tensor named ``fqn``."""
-    digest = hashlib.sha256(_DOMAIN + seed.to_bytes(8, "little") + fqn.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little")
+    return named_seed(seed, _DOMAIN, fqn)
 
 
 def _storage_of(t: object) -> torch.UntypedStorage | None:

@@ -51,6 +51,7 @@ from compile_rng.compiled.pending_key import SITE, Site, pending_key
 from compile_rng.eager.dispatch_modes import Pieces, RandomOpMode
 from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
+from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.rows import batch_window, current_rows
 from compile_rng.stream import state
 
@@ -188,7 +189,7 @@ class Tracker(dtensor_rng_tracker_base()):
             row_offset = 0
             if rows is not None:
                 row_offset, advance = batch_window(func, sharding.global_shape, rows)
-            seed, base = state.advance(advance, device)
+            seed, base = draw_position(func, advance, device)
             key = cr_ops.make_key(seed, base, device)
             if isinstance(layout, Pieces):
                 return key, layout.shifted(row_offset), None

@@ -39,6 +39,7 @@ scalar pure-Python reference and the Random123 known-answer vectors.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -278,6 +279,15 @@ def as_int64(v: int) -> int:
     """The int64 (two's complement) that stores the uint64 ``v`` in a key tensor."""
     v = as_uint64(v)
     return v - UINT64 if v >= 2**63 else v
+
+
+def named_seed(seed: int, domain: bytes, name: str) -> int:
+    """The 64-bit seed of the stream called ``name`` under ``seed``: the first 8 bytes
+    (little endian) of SHA-256(``domain || seed as 8 bytes || name as UTF-8``). Per-name
+    streams (parameters by FQN, activations by module and op) are independent of the
+    order the program draws in; ``domain`` keeps the kinds of names apart."""
+    digest = hashlib.sha256(domain + seed.to_bytes(8, "little") + name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def contiguous_stream(size: Sequence[int], strides: Sequence[int]) -> bool:

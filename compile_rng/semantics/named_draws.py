@@ -1,0 +1,79 @@
+"""Where an eager random op's counters come from: the step's sequence, or the stream of
+the op's name (``compile_rng.step(names=...)``, docs/contract.md §3.6).
+
+Without names, an op reserves its counters from the device's state (``state.advance``):
+its values depend on every op that ran before it, on this rank. A pipeline stage does
+not run the ops of the stages before it, so inside a step with ``names=`` every op draws
+from a stream named by where it sits in the model instead:
+
+* its name is ``"{fqn}:{call}:{ordinal}"`` - ``fqn`` the innermost module running it (its
+  fully qualified name in the unsplit model), ``call`` how many times that module ran
+  before in this forward, ``ordinal`` how many random ops this call of it ran before;
+* its seed is :func:`activation_seed` ``(seed, name)`` and its counters start at the
+  ``base`` of the step - ``(seed, base)`` is the device's state when the step began -
+  plus its row window of the step's global batch (:func:`compile_rng.semantics.rows.batch_window`);
+* the step ends at ``base + STEP_STRIDE`` on every device type, whatever ran in it, so
+  every stage, data-parallel rank and microbatch split starts the next step at the same
+  position. One op may draw at most ``STEP_STRIDE`` counters per step.
+
+The naming itself (module hooks, the pipeline's microbatches) is eager code
+(:mod:`compile_rng.eager.activation_names`); this module is the rule both sides share.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Protocol
+
+import torch
+
+from compile_rng.stream import named_seed, state
+
+ACTIVATION_DOMAIN = b"compile_rng/activation/v1"
+#: how far a step with names moves every device's offset (2**24 steps fit in 2**64)
+STEP_STRIDE = 2**40
+
+
+@functools.lru_cache(maxsize=65536)
+def activation_seed(seed: int, name: str) -> int:
+    """The seed of the activation stream ``name`` (cached: a step computes each name's
+    seed once per run seed, not once per element or per step)."""
+    return named_seed(seed, ACTIVATION_DOMAIN, name)
+
+
+class Namer(Protocol):
+    """Names the random op about to draw (``compile_rng.eager.activation_names``)."""
+
+    def position(self, op: object, advance: int, device: torch.device) -> tuple[int, int]:
+        """``(seed, base)`` of ``op``'s draw of ``advance`` counters on ``device``."""
+        ...
+
+
+_namer: contextvars.ContextVar[Namer | None] = contextvars.ContextVar("compile_rng_namer", default=None)
+
+
+def current_namer() -> Namer | None:
+    return _namer.get()
+
+
+def set_namer(namer: Namer | None) -> contextvars.Token:
+    return _namer.set(namer)
+
+
+def reset_namer(token: contextvars.Token) -> None:
+    _namer.reset(token)
+
+
+def draw_position(op: object, advance: int, device: torch.device) -> tuple[int, int]:
+    """``(seed, base)`` for an eager draw of ``advance`` counters: from the op's name
+    inside a step with names, else reserved from the device's state."""
+    namer = _namer.get()
+    if namer is None:
+        return state.advance(advance, device)
+    if advance > STEP_STRIDE:
+        raise ValueError(
+            f"compile_rng: {op} draws {advance} counters in a step with names=, more than the "
+            f"{STEP_STRIDE} a named stream holds per step"
+        )
+    return namer.position(op, advance, device)

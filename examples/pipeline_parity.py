@@ -1,0 +1,381 @@
+"""Pipeline parallelism keeps the loss curve: stages draw the single process's masks.
+
+A GPT with attention, residual and MLP dropout (``train_parity.py``'s blocks) and a
+transformers Llama with attention dropout are split into pipeline stages the way
+torchtitan splits a model - each stage a module that keeps the unsplit model's names
+(layers in a ``ModuleDict`` keyed by their original index) - and trained with
+``torch.distributed.pipelining``'s schedules on gloo ranks, eagerly:
+
+* ``GPipe`` and ``1F1B``: 2 stages on 2 ranks; ``Interleaved1F1B``: 4 stages, 2 per rank;
+* ``PP=2``, ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
+  ``ColwiseParallel()`` / ``RowwiseParallel()`` plan, local outputs) on 4 ranks;
+* any number of microbatches.
+
+Every step runs in ``compile_rng.step(local_batch, names=stages, microbatches=n)``: each
+random op draws from the stream named by its module in the unsplit model, at its rows
+of the step's global batch, so a stage needs nothing from the stages before it. The
+single process runs the unsplit model in ``compile_rng.step(batch, names=model)``.
+Weights come from ``@compile_rng.init(streams="fqn")`` (each stage draws its own layers'
+single-process values), and every rank is seeded alike (``seed + pp_rank`` is refused).
+
+Run: ``python examples/pipeline_parity.py [--steps 3] [--only llama/GPipe/PP=2 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compile_rng
+from compile_rng.launch import progress, spawn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_parity import Block, Config, Embed, Head, global_batches  # noqa: E402
+
+SEED = 1234
+CONFIG = Config(layers=4)  # 4 stages of one block for the interleaved schedule
+
+# --- the models, whole and as stages ---------------------------------------------------
+
+
+class PipeGPT(nn.Module):
+    """``train_parity``'s GPT as torchtitan writes a pipelined model: the parts a stage
+    does not hold are ``None``, the blocks a ``ModuleDict`` keyed by their index."""
+
+    def __init__(self, c: Config, blocks: range, first: bool = True, last: bool = True):
+        super().__init__()
+        self.embed = Embed(c) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(c) for i in blocks})
+        self.head = Head(c) if last else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+@compile_rng.init(layout="invariant", streams="fqn", seed=SEED)
+def init_weights(model: nn.Module) -> None:
+    """Every parameter from its own named stream: a stage built alone gets the values of
+    its layers in the unsplit model."""
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            nn.init.trunc_normal_(p, std=0.02, a=-0.04, b=0.04)
+        else:
+            nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+
+
+def llama(dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A transformers Llama (SDPA attention with dropout), 4 decoder layers."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=CONFIG.vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=CONFIG.layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONFIG.seq,
+        attention_dropout=0.1, use_cache=False, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.train()
+    return model
+
+
+class LlamaLogits(nn.Module):
+    """The unsplit Llama returning logits (the single process's model)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.lm_head = model.model, model.lm_head
+
+    def forward(self, tokens):
+        return self.lm_head(self.model(input_ids=tokens).last_hidden_state)
+
+
+class LlamaStage(nn.Module):
+    """Decoder layers ``layers`` of a transformers Llama (plus the embedding on the
+    first stage, the norm and head on the last), under the unsplit model's names."""
+
+    def __init__(self, whole: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        whole = copy.deepcopy(whole)
+        self.model = nn.Module()
+        self.model.embed_tokens = whole.model.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): whole.model.layers[i] for i in layers})
+        self.model.rotary_emb = whole.model.rotary_emb
+        self.model.norm = whole.model.norm if last else None
+        self.lm_head = whole.lm_head if last else None
+        self.config = whole.config
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rope = self.model.rotary_emb(h, position_ids=positions)
+        # transformers' own mask, as LlamaModel.forward makes it
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
+        )
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        if self.lm_head is None:
+            return h
+        return self.lm_head(self.model.norm(h))
+
+
+def whole_model(family: str) -> nn.Module:
+    """The unsplit model, initialized on the per-name streams, float64."""
+    if family == "gpt":
+        model = PipeGPT(CONFIG, range(CONFIG.layers)).to(torch.float64)
+        init_weights(model)
+        return model
+    model = llama()
+    init_weights(model)
+    return LlamaLogits(model)
+
+
+def stage_module(family: str, stage: int, stages: int) -> nn.Module:
+    """Stage ``stage`` of ``stages`` (equal numbers of layers), with its layers' values
+    in the unsplit model."""
+    per = CONFIG.layers // stages
+    layers = range(stage * per, (stage + 1) * per)
+    first, last = stage == 0, stage == stages - 1
+    if family == "gpt":
+        module = PipeGPT(CONFIG, layers, first, last).to(torch.float64)
+        init_weights(module)  # drawn by name: this stage's layers only
+        return module
+    whole = llama()
+    init_weights(whole)
+    return LlamaStage(whole, layers, first, last)
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    return list(module.blocks.values()) if isinstance(module, PipeGPT) else list(module.model.layers.values())
+
+
+# --- parallelisms ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Composition:
+    pp: int = 2
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+COMPOSITIONS = {"PP=2": Composition(), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2)}
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # stages per rank
+FAMILIES = ("gpt", "llama")
+
+
+def _tensor_parallel(module: nn.Module, tp_mesh) -> None:
+    """torch's TP tutorial plan: ``ColwiseParallel()`` in, ``RowwiseParallel()`` out,
+    local outputs (attention runs on this rank's heads as plain tensors)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if isinstance(module, PipeGPT):
+        plan = {f"attn.w{p}": ColwiseParallel() for p in "qkv"}
+        plan |= {"attn.wo": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    else:
+        plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for block in transformer_blocks(module):
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _schedule(name: str, stages: list, microbatches: int):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    if name == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name]
+    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+class Pipeline:
+    """This rank's stages of one (family, schedule, composition) job."""
+
+    def __init__(self, family: str, schedule: str, composition: str, microbatches: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage
+
+        how = COMPOSITIONS[composition]
+        inner = "tp" if how.tp > 1 else "dp"
+        mesh = init_device_mesh("cpu", (how.pp, how.dp * how.tp), mesh_dim_names=("pp", inner))
+        pp_rank = mesh["pp"].get_local_rank()
+        per_rank = SCHEDULES[schedule]
+        count = how.pp * per_rank
+        ids = [pp_rank + k * how.pp for k in range(per_rank)]  # interleaved: loop-style placement
+        self.modules = [stage_module(family, i, count) for i in ids]
+        self.dp_mesh = mesh["dp"] if how.dp > 1 else None
+        self.dp_coord = mesh[inner].get_local_rank() if how.dp > 1 else 0
+        self.dp, self.tp = how.dp, how.tp
+        for module in self.modules:
+            if how.tp > 1:
+                _tensor_parallel(module, mesh["tp"])
+            if how.dp > 1:
+                from torch.distributed.fsdp import fully_shard
+
+                for block in transformer_blocks(module):
+                    fully_shard(block, mesh=self.dp_mesh)
+                fully_shard(module, mesh=self.dp_mesh)
+        group = mesh["pp"].get_group()
+        self.stages = [PipelineStage(m, i, count, torch.device("cpu"), group=group) for m, i in zip(self.modules, ids)]
+        self.has_last = any(s.is_last for s in self.stages)
+        self.schedule = _schedule(schedule, self.stages, microbatches)
+        self.microbatches = microbatches
+
+    def parameters(self):
+        return [p for m in self.modules for p in m.parameters()]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, named: bool = True) -> torch.Tensor:
+        """One step on this rank's rows; returns the step's mean loss on the last stage's
+        ranks (zero elsewhere). ``named=False``: torch's own generator, as without compile_rng."""
+        losses: list[torch.Tensor] = []
+        step = compile_rng.step(tokens.shape[0], data_parallel=self.dp_mesh, names=self.stages,
+                                microbatches=self.microbatches)
+        with step if named else contextlib.nullcontext():
+            self.schedule.step(tokens, target=targets, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(losses).mean().detach()
+
+
+def capture_dropped(module: nn.Module, block: str, into: list) -> None:
+    """Record, per microbatch, which elements block ``block``'s attention and MLP residual
+    dropouts dropped: ``(kind, first row, output == 0)`` in forward and ``(kind, first
+    row, gradient == 0)`` at the dropout's input in backward (GPT blocks)."""
+    from compile_rng.semantics.rows import current_rows
+
+    def record(kind: str, value: torch.Tensor) -> None:
+        rows = current_rows()
+        if rows is not None:  # None: the schedule's shape inference, outside any microbatch
+            into.append((kind, rows.start, (value == 0).clone()))
+
+    target = module.blocks[block] if block in module.blocks else None
+    if target is None:
+        return
+    def on_gradient(part: str):
+        def hook(module, args, out) -> None:  # returns None: the output stays
+            out.register_hook(lambda g: record(f"{part} backward", g))
+
+        return hook
+
+    for part, projection in (("attn", target.attn.wo), ("mlp", target.mlp.down)):
+        getattr(target, part).register_forward_hook(lambda m, a, out, part=part: record(f"{part} forward", out))
+        projection.register_forward_hook(on_gradient(part))
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def train_single(family: str, steps: int, microbatches: int = 1) -> list[float]:
+    """The unsplit model on one process: per-step loss (gradient accumulation over
+    ``microbatches``)."""
+    model = whole_model(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=CONFIG.lr)
+    torch.manual_seed(SEED)
+    losses = []
+    for tokens, targets in global_batches(CONFIG, steps):
+        total = torch.zeros((), dtype=torch.float64)
+        with compile_rng.step(tokens.shape[0], names=model) as s:
+            for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
+                with s.microbatch(rows.shape[0]):
+                    logits = model(rows)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
+                    loss.backward()
+                total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total.item())
+    return losses
+
+
+def train_pipeline(
+    family: str, schedule: str, composition: str, steps: int, microbatches: int = 4, named: bool = True
+) -> list[float]:
+    """Per-step global loss of the pipelined job (this rank's part)."""
+    pipe = Pipeline(family, schedule, composition, microbatches)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=CONFIG.lr)
+    torch.manual_seed(SEED)  # every rank alike: compile_rng.step(names=) refuses seed + pp_rank
+    losses = []
+    for tokens, targets in global_batches(CONFIG, steps):
+        tokens, targets = tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord]
+        total = pipe.step(tokens, targets, named)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)  # the last stage's ranks hold the loss of their rows
+        losses.append(total.item() / (pipe.dp * pipe.tp))
+    return losses
+
+
+def _rank_body(rank: int, world: int, job: tuple, steps: int, microbatches: int, named: bool, out: str) -> None:
+    losses = train_pipeline(*job, steps, microbatches, named)
+    if rank == 0:
+        torch.save(losses, out)
+
+
+def run(job: tuple[str, str, str], steps: int, microbatches: int = 4, named: bool = True) -> list[float]:
+    """``(family, schedule, composition)``'s per-step losses, on its own gloo ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "losses.pt")
+        spawn(_rank_body, COMPOSITIONS[job[2]].world, job, steps, microbatches, named, out)
+        return torch.load(out)
+
+
+def max_relative_difference(curve: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+
+
+JOBS = [
+    (family, schedule, composition)
+    for family in FAMILIES
+    for schedule in SCHEDULES
+    for composition in COMPOSITIONS
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--only", nargs="*", default=None, help="jobs as family/schedule/composition")
+    args = parser.parse_args(argv)
+    jobs = [tuple(j.split("/")) for j in args.only] if args.only else JOBS
+    references = {}
+    print(f"max relative loss difference from the single process, {args.steps} steps, float64, "
+          f"{args.microbatches} microbatches:")
+    print(f"{'model':6} {'schedule':16} {'composition':12} {'max rel. diff':>14}")
+    for family, schedule, composition in jobs:
+        if family not in references:
+            progress(f"pipeline_parity: {family} single process")
+            references[family] = train_single(family, args.steps)
+        progress(f"pipeline_parity: {family} {schedule} {composition}")
+        curve = run((family, schedule, composition), args.steps, args.microbatches)
+        print(f"{family:6} {schedule:16} {composition:12} {max_relative_difference(curve, references[family]):14.2e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Pipeline parallelism keeps the single process's masks and loss curve
+(examples/pipeline_parity.py, ``compile_rng.step(names=...)``).
+
+* the rows of a microbatch are ``torch.tensor_split``'s (the schedules' split);
+* names, not order: a stage's masks do not change when another stage adds a random op,
+  and they do change when its own ops change (the comparison can fail);
+* eager activation checkpointing recomputes the forward's masks; what cannot be named
+  is refused with an error naming the op;
+* on real gloo ranks, a GPT's block's dropped elements under 1F1B with 4 microbatches
+  are bitwise the single process's, forward and backward; torch's own generator
+  (no ``names=``) is not;
+* (slow) every step's float64 loss of GPT and transformers Llama under GPipe, 1F1B and
+  interleaved 1F1B, PP=2, PP=2xDP=2 (FSDP2) and PP=2xTP=2, is within 1e-9 relative of
+  the single process's, for 2, 4 and 8 microbatches; stages seeded ``seed + pp_rank``
+  are refused.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import compile_rng
+from compile_rng.eager.activation_names import microbatch_rows
+from compile_rng.launch import spawn
+from compile_rng.semantics.rows import Rows
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+
+import pipeline_parity as pp  # noqa: E402
+
+STEPS = 3
+TOLERANCE = 1e-9
+
+
+def _batch():
+    return pp.global_batches(pp.CONFIG, 1)[0]
+
+
+def _forward_backward(model, tokens, targets, names=True, microbatches=1):
+    """One step's loss and the model's gradients (float64)."""
+    torch.manual_seed(pp.SEED)
+    step = compile_rng.step(tokens.shape[0], names=model) if names else compile_rng.step(tokens.shape[0])
+    with step as s:
+        for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
+            with s.microbatch(rows.shape[0]):
+                logits = model(rows)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
+                loss.backward()
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("count", [1, 5, 8, 13])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 8])
+def test_microbatch_rows_are_tensor_split_rows(count, microbatches):
+    rows = torch.arange(100, 100 + count)
+    pieces = rows.tensor_split(microbatches)
+    for i, piece in enumerate(pieces):
+        got = microbatch_rows(Rows(100, count, 200), microbatches, i)
+        assert (got.count, got.total) == (piece.numel(), 200)
+        if piece.numel():
+            assert got.start == piece[0].item()
+
+
+def _dropped_of_last_block(model, tokens, targets, names=True):
+    captured = []
+    pp.capture_dropped(model, "3", captured)
+    _forward_backward(model, tokens, targets, names=names)
+    return {kind: mask for kind, _, mask in captured}
+
+
+def test_a_stage_keeps_its_masks_when_another_stage_adds_a_random_op():
+    tokens, targets = _batch()
+
+    def with_one_more_random_op():
+        model = pp.whole_model("gpt")
+        first = model.blocks["0"].mlp
+        original = first.forward
+        first.forward = lambda x: F.dropout(original(x), 0.2, True)  # in block 0, another stage's
+        return model
+
+    before = _dropped_of_last_block(pp.whole_model("gpt"), tokens, targets)
+    after = _dropped_of_last_block(with_one_more_random_op(), tokens, targets)
+    assert set(before) == {"attn forward", "attn backward", "mlp forward", "mlp backward"}
+    for kind in before:
+        assert torch.equal(before[kind], after[kind]), kind
+        assert 0 < before[kind].float().mean() < 0.3  # dropout p=0.1 ran
+    # In the step's sequence (no names) block 3 draws after block 0: its masks move.
+    sequence_before = _dropped_of_last_block(pp.whole_model("gpt"), tokens, targets, names=False)
+    sequence_after = _dropped_of_last_block(with_one_more_random_op(), tokens, targets, names=False)
+    assert not torch.equal(sequence_before["mlp forward"], sequence_after["mlp forward"])
+
+
+def test_names_follow_the_module_not_the_call_order():
+    """Running two blocks in the other order changes their inputs, not their masks (a
+    dropout's mask does not depend on the values it drops)."""
+    tokens, targets = _batch()
+
+    def masks(order):
+        model = pp.whole_model("gpt")
+        model.blocks = torch.nn.ModuleDict({k: model.blocks[k] for k in order})
+        captured = {"1": [], "2": []}
+        for block, into in captured.items():
+            pp.capture_dropped(model, block, into)
+        _forward_backward(model, tokens, targets)
+        return {block: {kind: m for kind, _, m in into} for block, into in captured.items()}
+
+    ordered, swapped = masks("0123"), masks("0213")
+    for block in ("1", "2"):
+        assert len(ordered[block]) == 4
+        for kind, mask in ordered[block].items():
+            assert torch.equal(mask, swapped[block][kind]), (block, kind)
+    assert not torch.equal(ordered["1"]["mlp forward"], ordered["2"]["mlp forward"])
+
+
+def test_eager_activation_checkpointing_recomputes_the_forward_masks():
+    tokens, targets = _batch()
+    plain_loss, plain_grads = _forward_backward(pp.whole_model("gpt"), tokens, targets)
+    model = pp.whole_model("gpt")
+    for block in model.blocks.values():
+        block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+    loss, grads = _forward_backward(model, tokens, targets)
+    assert torch.equal(loss, plain_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain_grads[name], rtol=0, atol=1e-14)
+
+
+def test_microbatching_one_process_keeps_the_curve():
+    reference = pp.train_single("gpt", 2)
+    for microbatches in (2, 4, 8):
+        curve = pp.train_single("gpt", 2, microbatches)
+        assert pp.max_relative_difference(curve, reference) < TOLERANCE, microbatches
+
+
+def test_what_cannot_be_named_is_refused():
+    from torch import fx
+
+    model = pp.whole_model("gpt")
+    tokens, _ = _batch()
+    with pytest.raises(NotImplementedError, match="pipeline\\(\\) split"):
+        with compile_rng.step(8, names=fx.symbolic_trace(torch.nn.Linear(2, 2))):
+            pass
+    with pytest.raises(RuntimeError, match="outside the forward of any module"):
+        with compile_rng.step(8, names=model):
+            torch.nn.functional.dropout(torch.ones(8, 3, dtype=torch.float64), 0.5, True)
+    with pytest.raises(ValueError, match="microbatches="):
+        with compile_rng.step(8, names=model, microbatches=0):
+            pass
+
+    class Stage:  # what a PipelineStage offers the step
+        def __init__(self, submod):
+            self.submod = submod
+
+        def forward_one_chunk(self, chunk, *args):
+            return self.submod(*args)
+
+        def backward_one_chunk(self, chunk, *args):
+            pass
+
+    class Drawing(torch.nn.Module):
+        def forward(self, x):
+            return F.dropout(x, 0.5, True)
+
+    stage = Stage(Drawing())
+    with pytest.raises(ValueError, match="n_microbatches"):
+        with compile_rng.step(8, names=[stage]):
+            pass
+    with pytest.raises(NotImplementedError, match="stage module's own forward"):
+        with compile_rng.step(8, names=[stage], microbatches=2):
+            stage.forward_one_chunk(0, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="microbatch 2"):
+        with compile_rng.step(8, names=[stage], microbatches=2):
+            stage.forward_one_chunk(2, torch.ones(4, 3))
+    assert "forward_one_chunk" not in vars(stage)  # the step put the methods back
+
+    shared = pp.whole_model("gpt")
+    mlp = shared.blocks["0"].mlp
+    twice = lambda x: mlp.__class__.__call__(mlp, mlp.__class__.__call__(mlp, x) * 0 + x)  # noqa: E731
+    shared.blocks["0"].forward = lambda x: checkpoint(twice, x, use_reentrant=False)
+    with pytest.raises(NotImplementedError, match="ran more than once in a forward"):
+        _forward_backward(shared, *_batch())
+
+
+def test_a_compiled_graph_in_a_named_step_is_refused():
+    model = pp.whole_model("gpt")
+    mlp = model.blocks["0"].mlp
+    block = torch.compile(lambda x: mlp(x), backend=compile_rng.backend(layout="invariant", batched=True))
+    x = torch.randn(8, 4, pp.CONFIG.dim, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="named streams"):
+        with compile_rng.step(8, names=model):
+            model.blocks["0"].forward = lambda x: block(x)
+            model.blocks["0"](x)
+
+
+# --- real ranks --------------------------------------------------------------------------
+
+
+def _dropped_body(rank: int, world: int, out: str) -> None:
+    pipe = pp.Pipeline("gpt", "1F1B", "PP=2", microbatches=4)
+    captured = []
+    for module in pipe.modules:
+        pp.capture_dropped(module, "3", captured)
+    torch.manual_seed(pp.SEED)
+    tokens, targets = _batch()
+    pipe.step(tokens, targets)
+    unnamed = pp.train_pipeline("gpt", "1F1B", "PP=2", 1, 4, named=False)  # torch's own generator
+    if captured:
+        torch.save((captured, unnamed), out)
+
+
+def _gathered(captured) -> dict:
+    kinds = {}
+    for kind, _, mask in sorted(captured, key=lambda c: (c[0], c[1])):
+        kinds.setdefault(kind, []).append(mask)
+    return {kind: torch.cat(masks) for kind, masks in kinds.items()}
+
+
+def test_dropped_elements_of_a_stage_are_the_single_process_ones_on_real_ranks():
+    tokens, targets = _batch()
+    single = _dropped_of_last_block(pp.whole_model("gpt"), tokens, targets)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "captured.pt")
+        spawn(_dropped_body, 2, out)
+        captured, unnamed = torch.load(out)
+    piped = _gathered(captured)
+    assert set(piped) == set(single) and len(captured) == 4 * 4  # 4 kinds x 4 microbatches
+    for kind, mask in single.items():
+        assert torch.equal(piped[kind], mask), kind
+    # without names= the stages draw from torch's generator in schedule order: another curve
+    assert pp.max_relative_difference(unnamed, pp.train_single("gpt", 1)) > 1e-6
+
+
+# --- the parity table (slow) -----------------------------------------------------------
+
+
+def _table_body(rank: int, world: int, jobs: list, out: str) -> None:
+    results = {}
+    for family, schedule, composition, microbatches, named in jobs:
+        results[(family, schedule, composition, microbatches, named)] = pp.train_pipeline(
+            family, schedule, composition, STEPS, microbatches, named
+        )
+    if rank == 0:
+        torch.save(results, out)
+
+
+def _run_jobs(world: int, jobs: list) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        spawn(_table_body, world, jobs, out)
+        return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {family: pp.train_single(family, STEPS) for family in pp.FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_and_composition_keeps_the_single_process_curve(world, references):
+    jobs = [
+        (family, schedule, composition, 4, True)
+        for family in pp.FAMILIES
+        for schedule in pp.SCHEDULES
+        for composition, how in pp.COMPOSITIONS.items()
+        if how.world == world
+    ]
+    if world == 2:  # microbatch counts, and torch's own generator for contrast
+        jobs += [("gpt", "1F1B", "PP=2", 2, True), ("gpt", "Interleaved1F1B", "PP=2", 8, True)]
+        jobs += [("llama", "GPipe", "PP=2", 4, False)]
+    results = _run_jobs(world, jobs)
+    for (family, schedule, composition, microbatches, named), curve in results.items():
+        difference = pp.max_relative_difference(curve, references[family])
+        print(f"pipeline_parity {family} {schedule} {composition} mb={microbatches} names={named}: {difference:.2e}")
+        if named:
+            assert difference < TOLERANCE, (family, schedule, composition, microbatches)
+        else:
+            assert difference > 1e-6, (family, schedule, composition)
+
+
+def _seeded_per_stage_body(rank: int, world: int) -> None:
+    pipe = pp.Pipeline("gpt", "GPipe", "PP=2", microbatches=2)
+    torch.manual_seed(pp.SEED + rank)  # torchtitan's and Megatron's seed + pp_rank
+    tokens, targets = _batch()
+    with pytest.raises(RuntimeError, match="seed \\+ pp_rank"):
+        pipe.step(tokens, targets)
+
+
+def test_stages_seeded_apart_are_refused():
+    spawn(_seeded_per_stage_body, 2)
+
+
+def _resume_body(rank: int, world: int, folder: str, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    optim_file = os.path.join(folder, f"optim.{rank}.pt")  # the stage's own AdamW moments
+
+    def run(steps: range, load: bool, save: bool) -> list[float]:
+        pipe = pp.Pipeline("gpt", "1F1B", "PP=2", microbatches=2)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=pp.CONFIG.lr)
+        (modules,) = pipe.modules  # one stage per rank: its FQNs are the unsplit model's
+        torch.manual_seed(pp.SEED + 1)  # overwritten by the checkpoint's stream when loading
+        if not load:
+            torch.manual_seed(pp.SEED)
+        else:
+            state = {"model": modules.state_dict(), "rng": compile_rng.StreamState()}
+            dcp.load(state, checkpoint_id=folder)
+            modules.load_state_dict(state["model"])
+            opt.load_state_dict(torch.load(optim_file))
+        losses = []
+        batches = pp.global_batches(pp.CONFIG, 3)
+        for i in steps:
+            total = pipe.step(*batches[i])
+            opt.step()
+            opt.zero_grad()
+            torch.distributed.all_reduce(total)
+            losses.append(total.item())
+        if save:
+            dcp.save({"model": modules.state_dict(), "rng": compile_rng.StreamState()}, checkpoint_id=folder)
+            torch.save(opt.state_dict(), optim_file)
+        return losses
+
+    whole = run(range(3), load=False, save=False)
+    first = run(range(1), load=False, save=True)
+    resumed = run(range(1, 3), load=True, save=False)
+    if rank == 0:
+        torch.save((whole, first + resumed), out)
+
+
+def test_a_pipeline_resumes_from_a_dcp_checkpoint_on_the_same_streams(tmp_path):
+    out = str(tmp_path / "losses.pt")
+    spawn(_resume_body, 2, str(tmp_path / "checkpoint"), out)
+    whole, resumed = torch.load(out)
+    assert whole == resumed
