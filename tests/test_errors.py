@@ -78,3 +78,56 @@ def _operand_layout_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_bernoulli_probabilities_in_another_layout_follow_the_target_shard_on_real_ranks():
     spawn(_operand_layout_worker, 2)
+
+
+def test_a_stock_inductor_graph_in_a_step_is_named():
+    """Stock Inductor draws its graph's seeds from torch's generator; inside a step that
+    is named as what it is, with the fix, not as an op with no counter-based form."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: F.dropout(x, 0.5, True))  # the default backend
+    x = torch.ones(8, 4)
+    fn(x)
+    with pytest.raises(NotImplementedError, match="compiled by another backend.*backend='compile_rng'"):
+        with compile_rng.step(8):
+            fn(x)
+
+
+# --- collectives on the process group's device (NCCL without a GPU) ----------------------
+
+
+@pytest.mark.parametrize(
+    "backend,device", [("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cpu"), ("xccl", "xpu")]
+)
+def test_collective_device_follows_the_backend(monkeypatch, backend, device):
+    import torch.distributed as dist
+
+    from compile_rng.semantics import verify
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert verify.collective_device() == torch.device(device)
+
+
+def test_the_step_and_verify_build_their_collectives_on_an_nccl_groups_device(monkeypatch):
+    """On a group whose backend says NCCL, every collective tensor compile_rng builds is
+    a CUDA tensor: here (no GPU) building it fails in torch's CUDA initialization, which
+    shows where it was built; a CPU tensor would have reached the (fake) collective."""
+    import torch.distributed as dist
+    from dtensor_reference import fake_rank
+
+    from compile_rng.semantics import verify
+
+    def gather_objects(into, mine, group=None):
+        into[:] = [mine] * len(into)
+
+    on_cuda = pytest.raises((AssertionError, RuntimeError), match="(?i)cuda|nvidia|driver")
+    with fake_rank(0, 2):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist, "all_gather_object", gather_objects)
+        with on_cuda:  # the rows of this rank: one all-gather of the local batch sizes
+            with compile_rng.step(4, data_parallel=dist.group.WORLD):
+                pass
+        with on_cuda:  # the rank-agreement check of a step with names
+            with compile_rng.step(4, names=torch.nn.Linear(2, 2)):
+                pass
+        with on_cuda:  # verify=True's check before a compiled call
+            verify.check("graph", 0, 0, "sig", [dist.group.WORLD])

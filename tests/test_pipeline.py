@@ -337,3 +337,81 @@ def test_a_pipeline_resumes_from_a_dcp_checkpoint_on_the_same_streams(tmp_path):
     spawn(_resume_body, 2, str(tmp_path / "checkpoint"), out)
     whole, resumed = torch.load(out)
     assert whole == resumed
+
+
+# --- a second forward over the same rows ------------------------------------------------
+
+
+def _by_forward(captured) -> dict:
+    """Forward masks by (kind, k): the k-th forward's mask over every row it saw."""
+    counts, pieces = {}, {}
+    for kind, start, mask in captured:
+        if kind.endswith("forward"):
+            k = counts[(kind, start)] = counts.get((kind, start), -1) + 1
+            pieces.setdefault((kind, k), []).append((start, mask))
+    return {key: torch.cat([m for _, m in sorted(v, key=lambda p: p[0])]) for key, v in pieces.items()}
+
+
+def _two_forwards_single(microbatches=1):
+    """One process, a named step that runs the model twice over each microbatch's rows."""
+    model = pp.whole_model("gpt")
+    captured = []
+    pp.capture_dropped(model, "3", captured)
+    tokens, targets = _batch()
+    torch.manual_seed(pp.SEED)
+    with compile_rng.step(tokens.shape[0], names=model) as s:
+        for rows in tokens.tensor_split(microbatches):
+            with s.microbatch(rows.shape[0]):
+                (model(rows).sum() + model(rows).sum()).backward()
+    return _by_forward(captured)
+
+
+def test_a_second_forward_over_the_same_rows_draws_new_masks():
+    masks = _two_forwards_single()
+    assert set(masks) == {(kind, k) for kind in ("attn forward", "mlp forward") for k in (0, 1)}
+    for kind in ("attn forward", "mlp forward"):
+        assert not torch.equal(masks[(kind, 0)], masks[(kind, 1)]), kind  # SimCSE needs two masks
+    # the first forward is the one-forward step's; microbatching names both alike per sample
+    single = _dropped_of_last_block(pp.whole_model("gpt"), *_batch())
+    assert torch.equal(masks[("mlp forward", 0)], single["mlp forward"])
+    split = _two_forwards_single(microbatches=2)
+    for key, mask in masks.items():
+        assert torch.equal(split[key], mask), key
+
+
+def _two_forwards_body(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    tokens, targets = _batch()
+    # DP=2: this rank's half of the rows, the model twice
+    model = pp.whole_model("gpt")
+    data_parallel = []
+    pp.capture_dropped(model, "3", data_parallel)
+    mine = tokens.chunk(world)[rank]
+    torch.manual_seed(pp.SEED)
+    with compile_rng.step(mine.shape[0], data_parallel=dist.group.WORLD, names=model):
+        (model(mine).sum() + model(mine).sum()).backward()
+    # PP=2 (1F1B, 4 microbatches): the schedule twice in one step
+    pipe = pp.Pipeline("gpt", "1F1B", "PP=2", microbatches=4)
+    pipelined = []
+    for module in pipe.modules:
+        pp.capture_dropped(module, "3", pipelined)
+    torch.manual_seed(pp.SEED)
+    with compile_rng.step(tokens.shape[0], names=pipe.stages, microbatches=4):
+        for _ in range(2):
+            pipe.schedule.step(tokens, target=targets, losses=[])
+    torch.save((data_parallel, pipelined), f"{out}.{rank}")
+
+
+def test_two_forwards_draw_the_single_process_masks_under_dp_and_pp():
+    single = _two_forwards_single()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "captured")
+        spawn(_two_forwards_body, 2, out)
+        ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    data_parallel = _by_forward(ranks[0][0] + ranks[1][0])
+    pipelined = _by_forward(ranks[0][1] + ranks[1][1])
+    assert set(data_parallel) == set(pipelined) == set(single)
+    for key, mask in single.items():
+        assert torch.equal(data_parallel[key], mask), ("DP=2", key)
+        assert torch.equal(pipelined[key], mask), ("PP=2", key)

@@ -548,6 +548,46 @@ def split_factor(placement: Any) -> int:
     return placement.split_factor
 
 
+# --- distributed checkpoint: the canonical names of parameters and modules ---------------
+
+
+def checkpoint_name(model: Any, key: str) -> str:
+    """The name ``torch.distributed.checkpoint``'s state dict gives the parameter or buffer
+    at ``key`` (a ``named_parameters``/``named_buffers`` path under ``model``): the wrappers
+    DCP leaves out of names - ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``,
+    ``torch.compile``'s ``OptimizedModule._orig_mod``, FSDP1's ``_fsdp_wrapped_module``,
+    DDP's ``module``, a module's ``_fqn_modifiers()`` - are not part of it.
+
+    Private: ``torch.distributed.checkpoint.state_dict._get_fqns`` is that rule (what
+    ``get_model_state_dict`` names keys by), with no public form in 2.13-2.15; the function
+    is the same in 2.13.0 and 2.15.0. An FSDP1 FlatParameter names several parameters: refused."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names = _get_fqns(model, key)
+    if len(names) != 1:
+        raise NotImplementedError(
+            f"compile_rng: {key!r} stands for several parameters in a checkpoint ({sorted(names)}), an FSDP1 "
+            "FlatParameter: wrap with FSDP1's use_orig_params=True, or FSDP2 (fully_shard)"
+        )
+    return next(iter(names))
+
+
+def checkpoint_module_name(model: Any, path: str) -> str | None:
+    """The module at ``path`` (a ``named_modules`` path under ``model``) named as DCP's
+    state dict names its parameters' prefix (:func:`checkpoint_name`; a wrapper and the
+    module it wraps get the same name), or None for a module DCP walks through to the one
+    it wraps (DDP, ``OptimizedModule``, FSDP1: ``_get_fqns`` fails on a key that stops at them).
+    ``_get_fqns`` walks a key to its leaf; the leaf ``_extra_state`` is the one it names
+    without looking it up (2.13.0, 2.15.0)."""
+    from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX as leaf
+
+    try:
+        name = checkpoint_name(model, f"{path}.{leaf}" if path else leaf)
+    except (AssertionError, AttributeError):  # "Expected '_orig_mod'"; FSDP1 looks the leaf up
+        return None
+    return name[: -len(leaf)].rstrip(".")
+
+
 # --- the process ---------------------------------------------------------------------
 
 

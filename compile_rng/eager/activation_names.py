@@ -32,8 +32,9 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import module as nn_module
 
-from compile_rng.semantics.named_draws import activation_seed
-from compile_rng.semantics.rows import Rows, reset_rows, set_rows
+from compile_rng.semantics.model_names import module_names
+from compile_rng.semantics.named_draws import activation_name, activation_seed
+from compile_rng.semantics.rows import Rows, current_rows, reset_rows, set_rows
 
 
 def microbatch_rows(rows: Rows, microbatches: int, index: int) -> Rows:
@@ -64,12 +65,15 @@ class ActivationNames:
                     "its random ops have no module names. Split the model by hand (a deep copy with the other "
                     "stages' layers deleted, as torchtitan does) and pass those stages"
                 )
-            self.fqn.update((id(m), name) for name, m in root.named_modules())
+            self.fqn.update(module_names(root))
         self.roots = {id(r) for r in roots}
         self.stack: list[tuple[nn.Module, str, int | None]] = []
         self.calls: dict[str, int] = {}
         self.ordinals: dict[tuple[str, int], int] = {}
         self.ran_twice: set[str] = set()  # modules called more than once in a forward
+        # root forwards per (root, rows): the k-th forward over the same rows draws new masks
+        self.forwards: dict[tuple[int, Rows], int] = {}
+        self.forward: int | None = 0  # of the forward running; None: a recomputation
 
     # --- module hooks --------------------------------------------------------------
 
@@ -80,6 +84,7 @@ class ActivationNames:
         if not self.stack:
             # a root's forward, or a recomputation (activation checkpointing) in backward
             self.calls, self.ordinals = {}, {}
+            self.forward = self._count_forward(module) if id(module) in self.roots else None
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         if call:
@@ -97,7 +102,8 @@ class ActivationNames:
             raise RuntimeError(
                 f"compile_rng: {op} ran in a step with names= but outside the forward of any module "
                 "given as names= (it has no name in the model). Move it into the model's forward, "
-                "or draw it outside the step"
+                "or draw it outside the step. If activation checkpointing recomputes it in backward, "
+                "checkpoint a module (checkpoint(self.mlp, x)) rather than a function: the module's call names it"
             )
         outermost = self.stack[0][0]
         module, fqn, call = self.stack[-1]
@@ -111,7 +117,17 @@ class ActivationNames:
         ordinal = self.ordinals.get((fqn, call), 0)
         self.ordinals[(fqn, call)] = ordinal + 1
         seed, base = self.start[device.type]
-        return activation_seed(seed, f"{fqn}:{call}:{ordinal}"), base
+        return activation_seed(seed, activation_name(fqn, call, ordinal, self.forward or 0)), base
+
+    def _count_forward(self, root: nn.Module) -> int:
+        """This forward's index among the root's forwards over the current rows (the
+        schedule's shape inference, outside any microbatch, is not counted)."""
+        rows = current_rows()
+        if rows is None:
+            return 0
+        index = self.forwards.get((id(root), rows), 0)
+        self.forwards[(id(root), rows)] = index + 1
+        return index
 
     def _check_recomputation(self, op: object) -> None:
         repeated = [fqn for _, fqn, _ in self.stack if fqn in self.ran_twice]
@@ -120,6 +136,12 @@ class ActivationNames:
                 f"compile_rng: {op} is recomputed (activation checkpointing) in {repeated[-1]!r}, a "
                 "module that ran more than once in a forward: which call is recomputed is unknown, so "
                 "its name is. Checkpoint a module that runs once per forward"
+            )
+        if any(count > 1 for count in self.forwards.values()):
+            raise NotImplementedError(
+                f"compile_rng: {op} is recomputed (activation checkpointing) in a step that ran the model "
+                "more than once over the same rows: which forward is recomputed is unknown, so its name is. "
+                "Run one forward per step (or per microbatch) with checkpointing, or do not checkpoint"
             )
 
     @contextlib.contextmanager

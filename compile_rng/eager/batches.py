@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from compile_rng.eager import activation_names, dispatch_modes
+from compile_rng.semantics import verify
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
 from compile_rng.semantics.rows import Rows, reset_rows, set_rows
-from compile_rng.stream import as_int64, state
+from compile_rng.stream import state
 
 
 def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
@@ -48,8 +49,7 @@ def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
             )
         device = torch.device(data_parallel.device_type)
         return data_parallel.get_group(), data_parallel.get_local_rank(), data_parallel.size(), device
-    backend = dist.get_backend(data_parallel)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = verify.collective_device(data_parallel)
     return data_parallel, dist.get_rank(data_parallel), dist.get_world_size(data_parallel), device
 
 
@@ -211,15 +211,16 @@ def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
     a stage seeded ``seed + pp_rank`` (torchtitan, Megatron) would draw other masks."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    mine = torch.tensor([as_int64(v) for v in start["cpu"]], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    if any(not torch.equal(g, mine) for g in gathered):
+    groups = [dist.group.WORLD]
+    if not verify.communicates(groups):
+        return
+    seen = verify.disagreements(groups, start["cpu"])
+    if seen:
         raise RuntimeError(
-            f"compile_rng.step(names=...): the ranks begin the step at different stream positions (this "
-            f"rank's (seed, offset) is {start['cpu']}): every rank must be seeded alike - a pipeline stage "
+            f"compile_rng.step(names=...): the ranks begin the step at different stream positions:\n"
+            f"{verify.describe(seen, ('seed', 'offset'))}\nEvery rank must be seeded alike - a pipeline stage "
             "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
             "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed"
         )

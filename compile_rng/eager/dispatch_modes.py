@@ -179,7 +179,7 @@ class RandomOpMode(TorchDispatchMode):
                 if kw.get("generator") is not None:
                     raise _generator_error(func)
                 if draws(func, kw):
-                    raise unsupported(func)
+                    raise unsupported(func, kw)
             return func(*args, **kwargs)
         kw = normalized_arguments(func, args, kwargs)
         if kw.get("generator") is not None:

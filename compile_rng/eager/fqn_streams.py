@@ -45,6 +45,7 @@ from compile_rng._torch.torch_internals import (
     tree_leaves,
 )
 from compile_rng.eager import dispatch_modes
+from compile_rng.semantics.model_names import TensorNames
 from compile_rng.semantics.random_ops import is_random
 from compile_rng.stream import named_seed, state
 
@@ -113,19 +114,56 @@ class _StorageSet:
         return item[1]
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t``'s elements lie in (this rank's local values)."""
+    local = local_tensor(t)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(local.shape, local.stride()))
+    start = local.storage_offset() * local.element_size()
+    return start, start + extent * local.element_size()
+
+
+class _NamedSpans:
+    """The named tensors by the bytes they hold: a draw into a tensor belongs to the named
+    tensor whose bytes contain its own. Several named tensors can share one storage
+    (FSDP1's ``use_orig_params`` parameters are views of one flat parameter)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[object, list[tuple[int, int, str]]]] = {}
+
+    def add(self, t: torch.Tensor, name: str) -> None:
+        storage = _storage_of(t)
+        if storage is None:
+            return
+        item = self._items.get(_key(storage))
+        if item is None or item[0].expired():
+            item = self._items[_key(storage)] = (storage_weak_ref(storage), [])
+        item[1].append((*_span(t), name))
+
+    def get(self, t: object) -> str | None:
+        storage = _storage_of(t)
+        item = None if storage is None else self._items.get(_key(storage))
+        if item is None:
+            return None
+        if item[0].expired():
+            del self._items[_key(storage)]
+            return None
+        start, end = _span(t)
+        return next((name for lo, hi, name in item[1] if lo <= start and end <= hi), None)
+
+
 @dataclass
 class _Streams:
     """The per-name stream positions of one ``fqn_streams`` block."""
 
     seed: int
-    modules: list[nn.Module]
+    tensors: TensorNames
 
     def __post_init__(self) -> None:
         self.seeds: dict[str, int] = {}
         self.positions: dict[tuple[str, str], int] = {}
         self.current: tuple[str, str] | None = None  # (name, device type)
         owner: dict[int, str] = {}
-        names = {name for m in self.modules for name, _ in [*m.named_parameters(), *m.named_buffers()]}
+        names = {name for name, _ in self.tensors}
         for name in sorted(names) + [ANONYMOUS]:
             derived = derive_seed(self.seed, name)
             if derived in owner:
@@ -173,29 +211,27 @@ class _OwnershipMode(TorchDispatchMode):
     def __init__(self, streams: _Streams) -> None:
         super().__init__()
         self.streams = streams
-        self.named = _StorageSet()  # the modules' parameters and buffers, refreshed at each draw
+        self.named = _NamedSpans()  # the modules' parameters and buffers, refreshed at each draw
         self.derived = _StorageSet()  # temporaries allocated from, or computed from, one named tensor
         self.anonymous = _StorageSet()  # storages holding values of ownerless draws -> the draw
         self.refresh_names()
 
-    def owner(self, storage: torch.UntypedStorage | None) -> str | None:
-        return self.named.get(storage) or self.derived.get(storage)
+    def owner(self, t: object) -> str | None:
+        return self.named.get(t) or self.derived.get(_storage_of(t))
 
     def refresh_names(self) -> None:
-        for module in self.streams.modules:
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                storage = _storage_of(t)
-                if storage is not None and self.named.get(storage) is None:
-                    self.named.add(storage, name)
+        for name, t in self.streams.tensors:
+            if self.named.get(t) is None:
+                self.named.add(t, name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [_storage_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         written = _written(func, args, kwargs)
         if is_random(func):
             self.refresh_names()
             target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            owner = self.owner(_storage_of(target))
+            owner = self.owner(target)
             self.streams.select(owner or ANONYMOUS, dispatch_modes.op_device(func, args, kwargs).type)
             out = func(*args, **kwargs)
             if owner is None:
@@ -203,11 +239,11 @@ class _OwnershipMode(TorchDispatchMode):
             else:
                 self.mark(self.derived, tree_leaves(out), owner)
             return out
-        drawn = next((d for d in map(self.anonymous.get, inputs) if d), None)
+        drawn = next((d for d in (self.anonymous.get(_storage_of(t)) for t in inputs) if d), None)
         if drawn is not None:
             self.refresh_names()
             for target in written:
-                name = self.named.get(_storage_of(target))
+                name = self.named.get(target)
                 if name is not None:
                     raise ownerless_error(f"{func} writes them into {name!r}", drawn)
         out = func(*args, **kwargs)
@@ -234,11 +270,10 @@ class _OwnershipMode(TorchDispatchMode):
     def check_named(self) -> None:
         """Raise if a named tensor now holds values of an ownerless draw (a parameter
         re-assigned to a temporary: ``module.w = nn.Parameter(tmp)``, ``w.data = tmp``)."""
-        for module in self.streams.modules:
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                drawn = self.anonymous.get(_storage_of(t))
-                if drawn is not None:
-                    raise ownerless_error(f"{name!r} was assigned them", drawn)
+        for name, t in self.streams.tensors:
+            drawn = self.anonymous.get(_storage_of(t))
+            if drawn is not None:
+                raise ownerless_error(f"{name!r} was assigned them", drawn)
 
 
 def ownerless_error(what: str, drawn: str) -> RuntimeError:
@@ -259,7 +294,7 @@ def fqn_streams(modules: Iterable[nn.Module], seed: int | None = None) -> Iterat
     if not modules:
         raise ValueError("compile_rng.init(streams='fqn'): no nn.Module among the arguments to take names from")
     saved = state.snapshot()
-    mode = _OwnershipMode(_Streams(saved["cpu"][0] if seed is None else seed, modules))
+    mode = _OwnershipMode(_Streams(saved["cpu"][0] if seed is None else seed, TensorNames(modules)))
     try:
         with mode:
             yield

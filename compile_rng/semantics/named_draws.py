@@ -6,9 +6,12 @@ its values depend on every op that ran before it, on this rank. A pipeline stage
 not run the ops of the stages before it, so inside a step with ``names=`` every op draws
 from a stream named by where it sits in the model instead:
 
-* its name is ``"{fqn}:{call}:{ordinal}"`` - ``fqn`` the innermost module running it (its
-  fully qualified name in the unsplit model), ``call`` how many times that module ran
-  before in this forward, ``ordinal`` how many random ops this call of it ran before;
+* its name is :func:`activation_name` - ``fqn`` the innermost module running it (its
+  name in a DCP checkpoint of the unsplit model: wrappers left out,
+  :mod:`compile_rng.semantics.model_names`), ``call`` how many times that module ran
+  before in this forward, ``ordinal`` how many random ops this call of it ran before,
+  ``forward`` how many forwards of the model ran before over the same rows in this step
+  (a second forward of the same batch - SimCSE, two views - draws new masks);
 * its seed is :func:`activation_seed` ``(seed, name)`` and its counters start at the
   ``base`` of the step - ``(seed, base)`` is the device's state when the step began -
   plus its row window of the step's global batch (:func:`compile_rng.semantics.rows.batch_window`);
@@ -33,6 +36,13 @@ from compile_rng.stream import named_seed, state
 ACTIVATION_DOMAIN = b"compile_rng/activation/v1"
 #: how far a step with names moves every device's offset (2**24 steps fit in 2**64)
 STEP_STRIDE = 2**40
+
+
+def activation_name(fqn: str, call: int, ordinal: int, forward: int) -> str:
+    """``"{fqn}:{call}:{ordinal}"`` for a step's first forward over its rows, with
+    ``"@{forward}"`` appended for the later ones."""
+    name = f"{fqn}:{call}:{ordinal}"
+    return f"{name}@{forward}" if forward else name
 
 
 @functools.lru_cache(maxsize=65536)

@@ -281,6 +281,21 @@ _DEFAULT_FIX = (
 )
 
 
-def unsupported(op: OpOverload) -> NotImplementedError:
+def _inductor_seed_draw(op: OpOverload, kw: dict) -> bool:
+    """Stock Inductor's generated code drawing its graph's seeds (``RandomSeeds``:
+    ``aten.randint.low_out`` over the whole int64 range; torch 2.13-2.15)."""
+    limits = torch.iinfo(torch.int64)
+    return op_name(op) == "randint" and kw.get("low") == limits.min and kw.get("high") == limits.max
+
+
+def unsupported(op: OpOverload, kw: dict | None = None) -> NotImplementedError:
+    """The error for random op ``op`` (normalized arguments ``kw``) that compile_rng cannot draw."""
+    if kw is not None and _inductor_seed_draw(op, kw):
+        return NotImplementedError(
+            f"compile_rng: a graph compiled by another backend (stock Inductor: {op} over the whole int64 "
+            "range is its seed draw) ran inside compile_rng.step or compile_rng.compile: its random ops would "
+            "draw from torch's generator, not from compile_rng's stream. Compile it with "
+            "torch.compile(..., backend='compile_rng') or compile_rng.compile(...), or run it outside the step"
+        )
     why, fix = _FIXES.get(op_name(op), _DEFAULT_FIX)
     return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")

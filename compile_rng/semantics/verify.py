@@ -25,6 +25,20 @@ from compile_rng._torch.torch_internals import disable_dynamo
 from compile_rng.stream import state
 
 
+def collective_device(group: object = None) -> torch.device:
+    """The device a collective's tensors must be on for ``group``'s backend: the CPU where
+    the backend takes CPU tensors (gloo, mpi, the fake group, a ``cpu:gloo,cuda:nccl`` pair),
+    else the device type the backend serves (NCCL: CUDA; the tensor lands on the current
+    device, the one NCCL expects)."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend in ("gloo", "mpi", "fake") or "cpu:" in backend:
+        return torch.device("cpu")
+    for device_type, name in dist.Backend.default_device_backend_map.items():
+        if name == backend:
+            return torch.device(device_type)
+    return torch.device("cpu")
+
+
 def enabled(flag: object) -> bool:
     """``flag``: False, True, or the DeviceMesh / ProcessGroup to check over."""
     return (flag is not False and flag is not None) or os.environ.get("COMPILE_RNG_VERIFY", "") not in ("", "0")
@@ -54,7 +68,7 @@ def groups_of(meshes: list, explicit: object = None) -> list:
     return groups or [dist.group.WORLD]
 
 
-def _disagreements(groups: list, mine: tuple) -> list[dict]:
+def disagreements(groups: list, mine: tuple) -> list[dict]:
     """Per field of ``mine``: value -> ranks, for every group where the ranks disagree;
     afterwards every rank of the groups knows whether any rank saw a disagreement."""
     seen: list[dict] = []
@@ -68,15 +82,17 @@ def _disagreements(groups: list, mine: tuple) -> list[dict]:
                 values.setdefault(other[i], []).append(rank)
             if len(values) > 1:
                 seen.append({"field": i, "values": values})
-    flag = torch.tensor([int(bool(seen))])
+    flag = 0
     for group in groups:  # one pass over the dims reaches every rank of a mesh
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() and not seen:
+        t = torch.tensor([int(bool(seen)) or flag], device=collective_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        flag = int(t.item())
+    if flag and not seen:
         seen.append({"field": None, "values": {}})
     return seen
 
 
-def _describe(seen: list[dict], fields: tuple[str, ...]) -> str:
+def describe(seen: list[dict], fields: tuple[str, ...]) -> str:
     lines = []
     for item in seen:
         if item["field"] is None:
@@ -89,7 +105,7 @@ def _describe(seen: list[dict], fields: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def _communicates(groups: list) -> bool:
+def communicates(groups: list) -> bool:
     return dist.is_initialized() and all(dist.get_backend(g) != "fake" for g in groups) and any(
         dist.get_world_size(g) > 1 for g in groups
     )
@@ -97,13 +113,13 @@ def _communicates(groups: list) -> bool:
 
 def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
     """Raise on every rank of ``groups`` unless they agree on ``(seed, offset, graph)``."""
-    if not _communicates(groups):
+    if not communicates(groups):
         return
-    seen = _disagreements(groups, (seed, offset, graph))
+    seen = disagreements(groups, (seed, offset, graph))
     if seen:
         raise RuntimeError(
             f"compile_rng verify: ranks disagree before compiled graph {name!r}:\n"
-            + _describe(seen, ("seed", "offset", "random-op signature")) + "\n"
+            + describe(seen, ("seed", "offset", "random-op signature")) + "\n"
             "Seed every rank with the same torch.manual_seed / compile_rng.manual_seed and run the same "
             "random ops on every rank of the mesh."
         )
@@ -124,13 +140,13 @@ def check_mesh_once(mesh) -> None:
     if mesh.size() == 1 or not dist.is_initialized():
         return
     groups = groups_of([mesh])
-    if not _communicates(groups):
+    if not communicates(groups):
         return
-    seen = _disagreements(groups, state.get_state(mesh.device_type))
+    seen = disagreements(groups, state.get_state(mesh.device_type))
     if seen:
         raise RuntimeError(
             f"compile_rng: the ranks of the {mesh.device_type} mesh {mesh.mesh.tolist()} reach their first "
-            f"DTensor random op with different RNG states:\n{_describe(seen, ('seed', 'offset'))}\n"
+            f"DTensor random op with different RNG states:\n{describe(seen, ('seed', 'offset'))}\n"
             "Replicas would silently differ. Seed every rank of an SPMD mesh alike (torch.manual_seed / "
             "compile_rng.manual_seed / torch.distributed.tensor._random.manual_seed(seed, mesh)); pipeline "
             "stages may use different seeds, ranks within a stage may not."
