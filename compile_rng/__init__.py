@@ -17,7 +17,8 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   microbatching leave the values unchanged (:mod:`compile_rng.eager.batches`);
   ``step(..., names=model_or_pipeline_stages)``: every eager random op draws from the
   stream named by its module in the model, so pipeline stages draw the single
-  process's masks (:mod:`compile_rng.semantics.named_draws`).
+  process's masks (:mod:`compile_rng.semantics.named_draws`); :func:`run_seed` declares
+  the seed of named streams once, for ranks seeded apart (``seed + pp_rank``).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(layout="invariant")`` on a
   weight-initialization function (``streams="fqn"``: one stream per parameter name);
   :func:`layout` - the counter layout of eager DTensor ops (:func:`mode`: its deprecated
@@ -66,6 +67,7 @@ _PUBLIC = {
     "layout": ".semantics.layouts",
     "mode": ".semantics.layouts",
     "ops": None,
+    "run_seed": ".stream.state",
     "set_state": ".stream.state",
     "state_dict": ".stream.checkpointing",
     "step": ".eager.batches",

@@ -162,8 +162,22 @@ def stage_module(family: str, stage: int, stages: int) -> nn.Module:
     return LlamaStage(whole, layers, first, last)
 
 
+def _block_dict(module: nn.Module) -> nn.ModuleDict:
+    return module.blocks if isinstance(module, PipeGPT) else module.model.layers
+
+
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    return list(module.blocks.values()) if isinstance(module, PipeGPT) else list(module.model.layers.values())
+    return list(_block_dict(module).values())
+
+
+def checkpoint_blocks(module: nn.Module) -> None:
+    """Full activation checkpointing as torchtitan applies it: each block replaced by its
+    ``checkpoint_wrapper`` (which puts ``_checkpoint_wrapped_module`` into every name below)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = _block_dict(module)
+    for key in list(blocks):
+        blocks[key] = checkpoint_wrapper(blocks[key])
 
 
 # --- parallelisms ----------------------------------------------------------------------
@@ -174,13 +188,16 @@ class Composition:
     pp: int = 2
     dp: int = 1
     tp: int = 1
+    ac: bool = False  # every block in checkpoint_wrapper (torchtitan's full AC)
 
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
 
 
-COMPOSITIONS = {"PP=2": Composition(), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2)}
+COMPOSITIONS = {
+    "PP=2": Composition(), "PP=2+AC": Composition(ac=True), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
+}
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # stages per rank
 FAMILIES = ("gpt", "llama")
 
@@ -223,7 +240,7 @@ class Pipeline:
         how = COMPOSITIONS[composition]
         inner = "tp" if how.tp > 1 else "dp"
         mesh = init_device_mesh("cpu", (how.pp, how.dp * how.tp), mesh_dim_names=("pp", inner))
-        pp_rank = mesh["pp"].get_local_rank()
+        pp_rank = self.pp_rank = mesh["pp"].get_local_rank()
         per_rank = SCHEDULES[schedule]
         count = how.pp * per_rank
         ids = [pp_rank + k * how.pp for k in range(per_rank)]  # interleaved: loop-style placement
@@ -234,6 +251,8 @@ class Pipeline:
         for module in self.modules:
             if how.tp > 1:
                 _tensor_parallel(module, mesh["tp"])
+            if how.ac:
+                checkpoint_blocks(module)
             if how.dp > 1:
                 from torch.distributed.fsdp import fully_shard
 
@@ -313,12 +332,18 @@ def train_single(family: str, steps: int, microbatches: int = 1) -> list[float]:
 
 
 def train_pipeline(
-    family: str, schedule: str, composition: str, steps: int, microbatches: int = 4, named: bool = True
+    family: str, schedule: str, composition: str, steps: int, microbatches: int = 4, named: bool = True,
+    seed_per_stage: bool = False,
 ) -> list[float]:
-    """Per-step global loss of the pipelined job (this rank's part)."""
+    """Per-step global loss of the pipelined job (this rank's part). ``seed_per_stage``:
+    torchtitan's seeding (``seed + pp_rank``), with the run's seed declared to compile_rng."""
     pipe = Pipeline(family, schedule, composition, microbatches)
     opt = torch.optim.AdamW(pipe.parameters(), lr=CONFIG.lr)
-    torch.manual_seed(SEED)  # every rank alike: compile_rng.step(names=) refuses seed + pp_rank
+    if seed_per_stage:
+        compile_rng.run_seed(SEED)  # once per run; compile_rng.step(names=) refuses seed + pp_rank without it
+        torch.manual_seed(SEED + pipe.pp_rank)
+    else:
+        torch.manual_seed(SEED)  # every rank alike
     losses = []
     for tokens, targets in global_batches(CONFIG, steps):
         tokens, targets = tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord]

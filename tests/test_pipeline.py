@@ -10,7 +10,8 @@
   are bitwise the single process's, forward and backward; torch's own generator
   (no ``names=``) is not;
 * (slow) every step's float64 loss of GPT and transformers Llama under GPipe, 1F1B and
-  interleaved 1F1B, PP=2, PP=2xDP=2 (FSDP2) and PP=2xTP=2, is within 1e-9 relative of
+  interleaved 1F1B, PP=2, PP=2 with every block in ``checkpoint_wrapper``, PP=2xDP=2
+  (FSDP2) and PP=2xTP=2, is within 1e-9 relative of
   the single process's, for 2, 4 and 8 microbatches; stages seeded ``seed + pp_rank``
   are refused.
 """
@@ -209,8 +210,9 @@ def _dropped_body(rank: int, world: int, out: str) -> None:
     tokens, targets = _batch()
     pipe.step(tokens, targets)
     unnamed = pp.train_pipeline("gpt", "1F1B", "PP=2", 1, 4, named=False)  # torch's own generator
+    checkpointed = pp.train_pipeline("gpt", "1F1B", "PP=2+AC", 1, 4)  # blocks in checkpoint_wrapper
     if captured:
-        torch.save((captured, unnamed), out)
+        torch.save((captured, unnamed, checkpointed), out)
 
 
 def _gathered(captured) -> dict:
@@ -226,13 +228,16 @@ def test_dropped_elements_of_a_stage_are_the_single_process_ones_on_real_ranks()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "captured.pt")
         spawn(_dropped_body, 2, out)
-        captured, unnamed = torch.load(out)
+        captured, unnamed, checkpointed = torch.load(out)
     piped = _gathered(captured)
     assert set(piped) == set(single) and len(captured) == 4 * 4  # 4 kinds x 4 microbatches
     for kind, mask in single.items():
         assert torch.equal(piped[kind], mask), kind
     # without names= the stages draw from torch's generator in schedule order: another curve
-    assert pp.max_relative_difference(unnamed, pp.train_single("gpt", 1)) > 1e-6
+    reference = pp.train_single("gpt", 1)
+    assert pp.max_relative_difference(unnamed, reference) > 1e-6
+    # checkpoint_wrapper around every block (names without its component) keeps the curve
+    assert pp.max_relative_difference(checkpointed, reference) < TOLERANCE
 
 
 # --- the parity table (slow) -----------------------------------------------------------
@@ -283,16 +288,51 @@ def test_every_schedule_and_composition_keeps_the_single_process_curve(world, re
             assert difference > 1e-6, (family, schedule, composition)
 
 
-def _seeded_per_stage_body(rank: int, world: int) -> None:
+def _seeded_per_stage_body(rank: int, world: int, out: str) -> None:
     pipe = pp.Pipeline("gpt", "GPipe", "PP=2", microbatches=2)
     torch.manual_seed(pp.SEED + rank)  # torchtitan's and Megatron's seed + pp_rank
     tokens, targets = _batch()
-    with pytest.raises(RuntimeError, match="seed \\+ pp_rank"):
+    with pytest.raises(RuntimeError, match="seed \\+ pp_rank.*compile_rng.run_seed"):
         pipe.step(tokens, targets)
+    # the same seeding, with the run's seed declared once: the single process's curve
+    losses = pp.train_pipeline("gpt", "1F1B", "PP=2", 2, 4, seed_per_stage=True)
+    stream = compile_rng.get_state()
+    if rank == 0:
+        torch.save((losses, stream), out)
 
 
-def test_stages_seeded_apart_are_refused():
-    spawn(_seeded_per_stage_body, 2)
+def test_stages_seeded_apart_are_refused_unless_the_run_seed_is_declared():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "losses.pt")
+        spawn(_seeded_per_stage_body, 2, out)
+        losses, stream = torch.load(out)
+    assert pp.max_relative_difference(losses, pp.train_single("gpt", 2)) < TOLERANCE
+    assert stream == (pp.SEED, 0)  # rank 0's own stream: untouched by the named steps
+
+
+def test_run_seed_is_a_position_of_its_own():
+    model = pp.whole_model("gpt")
+    tokens, targets = _batch()
+    reference = _forward_backward(model, tokens, targets)[0]
+    compile_rng.run_seed(pp.SEED)
+    try:
+        for stage_seed in (pp.SEED + 1, pp.SEED + 7):  # other seeds, other offsets: the same masks
+            torch.manual_seed(stage_seed)
+            torch.rand(5)
+            compile_rng.manual_seed(stage_seed)
+            before = compile_rng.get_state()
+            with compile_rng.step(tokens.shape[0], names=model):
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            assert torch.equal(loss, reference)
+            assert compile_rng.get_state() == before  # this rank's stream is not the named one
+            saved = compile_rng.state_dict()
+            assert saved["run"] == {"seed": pp.SEED, "offset": 2**40}  # one step on
+            compile_rng.run_seed(pp.SEED)  # back to the run's start for the next seeding
+        compile_rng.load_state_dict(saved)
+        assert compile_rng.state_dict()["run"]["offset"] == 2**40
+    finally:
+        compile_rng.run_seed(None)
 
 
 def _resume_body(rank: int, world: int, folder: str, out: str) -> None:

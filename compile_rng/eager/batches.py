@@ -187,7 +187,8 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
             "compile_rng.step(names=<pipeline stages>): pass microbatches=, the schedule's n_microbatches "
             f"(got {microbatches!r})"
         )
-    start = state.snapshot()
+    run = state.run_position()  # a declared run seed: every device draws at the run's position
+    start = state.snapshot() if run is None else dict.fromkeys(state.device_types(), run)
     _check_ranks_agree(start)
     namer = activation_names.ActivationNames(roots, start, split=bool(stages))
     namer_token = set_namer(namer)
@@ -202,6 +203,9 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
     finally:
         reset_namer(namer_token)
     s._finish()
+    if run is not None:
+        state.advance_run(STEP_STRIDE)  # each rank's own stream stays as its seeding left it
+        return
     for kind, (seed, base) in start.items():
         state.set_state(seed, base + STEP_STRIDE, kind)
 
@@ -222,5 +226,6 @@ def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
             f"compile_rng.step(names=...): the ranks begin the step at different stream positions:\n"
             f"{verify.describe(seen, ('seed', 'offset'))}\nEvery rank must be seeded alike - a pipeline stage "
             "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
-            "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed"
+            "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed, or keep that seeding "
+            "and declare the run's seed once on every rank: compile_rng.run_seed(seed)"
         )

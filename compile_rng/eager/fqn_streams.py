@@ -289,12 +289,16 @@ def ownerless_error(what: str, drawn: str) -> RuntimeError:
 def fqn_streams(modules: Iterable[nn.Module], seed: int | None = None) -> Iterator[None]:
     """Inside the block, random ops draw from the stream of the named tensor of
     ``modules`` they draw into (see the module docstring); ``seed`` defaults to the
-    current stream's seed. The global stream is left as it was."""
+    run's declared seed (``compile_rng.run_seed``), else the current stream's seed. The
+    global stream is left as it was."""
     modules = list(modules)
     if not modules:
         raise ValueError("compile_rng.init(streams='fqn'): no nn.Module among the arguments to take names from")
     saved = state.snapshot()
-    mode = _OwnershipMode(_Streams(saved["cpu"][0] if seed is None else seed, TensorNames(modules)))
+    if seed is None:  # the run's declared seed, else this rank's stream's
+        run = state.run_position()
+        seed = saved["cpu"][0] if run is None else run[0]
+    mode = _OwnershipMode(_Streams(seed, TensorNames(modules)))
     try:
         with mode:
             yield

@@ -21,9 +21,14 @@ VERSION = 1
 
 
 def state_dict() -> dict[str, Any]:
-    """This process's streams: ``{"version": 1, "streams": {device_type: {"seed", "offset"}}}``."""
+    """This process's streams: ``{"version": 1, "streams": {device_type: {"seed", "offset"}}}``,
+    with ``"run": {"seed", "offset"}`` when a run seed is declared (``compile_rng.run_seed``)."""
     streams = {kind: {"seed": seed, "offset": offset} for kind, (seed, offset) in state.snapshot().items()}
-    return {"version": VERSION, "streams": streams}
+    saved: dict[str, Any] = {"version": VERSION, "streams": streams}
+    run = state.run_position()
+    if run is not None:
+        saved["run"] = {"seed": run[0], "offset": run[1]}
+    return saved
 
 
 def load_state_dict(saved: dict[str, Any]) -> None:
@@ -40,6 +45,8 @@ def load_state_dict(saved: dict[str, Any]) -> None:
         )
     for kind, stream in saved["streams"].items():
         state.set_state(int(stream["seed"]), int(stream["offset"]), kind)
+    if "run" in saved:
+        state.set_run_position((int(saved["run"]["seed"]), int(saved["run"]["offset"])))
 
 
 class StreamState:

@@ -18,6 +18,8 @@ from compile_rng.stream import UINT64
 _lock = threading.Lock()
 _cpu_state: list[int] = [0, 0]
 _seedings = [0]  # how many times manual_seed ran: rank-agreement checks restart with each
+# The run's declared seed and the named streams' position (:func:`run_seed`), or None.
+_run: list[int] | None = None
 
 
 def check_uint64(name: str, value: object) -> int:
@@ -143,3 +145,35 @@ def _checked_sum(offset: int, increment: int) -> int:
             "reseed with compile_rng.manual_seed()"
         )
     return offset + increment
+
+
+def run_seed(seed: int | None) -> None:
+    """Declare the run's seed for named streams (``step(names=...)``, ``init(streams="fqn")``):
+    they draw from ``seed`` at the run's own position, which starts at 0 here and which
+    neither ``torch.manual_seed`` nor :func:`manual_seed` moves - so ranks seeded apart
+    (pipeline stages seeded ``seed + pp_rank``, torchtitan's and Megatron's habit) name
+    alike. ``None`` withdraws the declaration (named streams follow each rank's stream again)."""
+    global _run
+    with _lock:
+        _run = None if seed is None else [check_uint64("seed", seed), 0]
+
+
+def run_position() -> tuple[int, int] | None:
+    """``(declared seed, named position)``, or None when no run seed is declared."""
+    with _lock:
+        return None if _run is None else (_run[0], _run[1])
+
+
+def set_run_position(position: tuple[int, int] | None) -> None:
+    """Set the declared seed and named position (a checkpoint's; None: undeclared)."""
+    global _run
+    with _lock:
+        _run = None if position is None else [check_uint64("seed", position[0]), check_uint64("offset", position[1])]
+
+
+def advance_run(increment: int) -> None:
+    """Move the named position on by ``increment`` (a step with names ended)."""
+    with _lock:
+        if _run is None:
+            raise RuntimeError("compile_rng: no run seed declared")
+        _run[1] = _checked_sum(_run[1], increment)
