@@ -60,9 +60,15 @@ def _an_h100() -> Iterator[None]:
         # (libcuda); a kernel already in Inductor's cache skipped it, so a fresh cache failed
         mock.patch("torch._inductor.runtime.triton_helpers.set_driver_to_gpu", lambda: None),
     ]
+    # has_triton() is functools.cache'd: the first caller's device fixes its answer for the
+    # process. Ask afresh under the fake H100, and forget that answer on the way out.
+    from torch.utils._triton import has_triton
+
     with contextlib.ExitStack() as stack:
+        stack.callback(has_triton.cache_clear)
         for p in patches:
             stack.enter_context(p)
+        has_triton.cache_clear()
         yield
 
 

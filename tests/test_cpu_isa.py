@@ -35,6 +35,9 @@ from compile_rng.stream.cpu_kernel import (
     supported_isas,
 )
 
+# compile_rng's C kernel builds (per ISA, under qemu): the same on every torch version
+pytestmark = pytest.mark.torch_independent
+
 SUPPORTED = supported_isas()
 BUILDS = [
     pytest.param(name, marks=pytest.mark.skipif(name not in SUPPORTED, reason=f"this CPU does not run {name}"))

@@ -71,6 +71,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_no_import_cycle():
     modules = _modules()
     assert "compile_rng.stream.state" in modules and "compile_rng.passes.functionalize_rng" in modules
@@ -78,6 +79,7 @@ def test_no_import_cycle():
     assert _cycles(graph) == []
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_stream_contract_is_a_leaf():
     """The contract imports no compile_rng module, not even inside a function: its
     implementations register themselves (``stream.register_implementation``)."""
@@ -85,6 +87,7 @@ def test_the_stream_contract_is_a_leaf():
     assert _imports("compile_rng.stream", modules["compile_rng.stream"], set(modules), inside_functions=True) == set()
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -11,6 +11,9 @@ import compile_rng
 from compile_rng import ops
 from compile_rng.stream.cpu_kernel import philox_words
 
+# compile_rng's kernels against the pure-Python reference: no torch internals involved
+pytestmark = pytest.mark.torch_independent
+
 # (size, counter strides): contiguous streams, 0-d, empty, odd sizes, and a shard-like
 # layout whose strides come from a larger global tensor.
 LAYOUTS = [((), ()), ((0,), (1,)), ((7,), (1,)), ((3, 5), (5, 1)), ((2, 3, 5), (15, 5, 1)), ((3, 4), (10, 1))]

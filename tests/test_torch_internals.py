@@ -331,12 +331,14 @@ def boundary_violations(modules: list[Module]) -> list[str]:
     return sorted(set(out), key=lambda s: (s.split(":")[0], int(s.split(":")[1]), s))
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_no_module_crosses_the_boundary():
     violations = boundary_violations(_modules())
     assert not violations, "private torch use outside compile_rng/torch_internals.py, or a change to torch " \
         "outside compile_rng/installation.py:\n" + "\n".join(violations)
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_home_documents_its_temporary_patches():
     doc = " ".join(torch_internals.__doc__.split())
     for name in torch_internals.TEMPORARY_PATCHES:
@@ -405,6 +407,7 @@ def leaks(x, gm):
 '''
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_scan_finds_what_it_should():
     """A module with one leak of each kind (and, unflagged: compile_rng's own private
     ``_mine``, aten's ``_unsafe_view`` op, a tensor and a node's meta it fills)."""
@@ -434,6 +437,7 @@ def test_the_scan_finds_what_it_should():
     ], "\n".join(found)
 
 
+@pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_home_itself_may_patch_only_what_it_lists():
     source = (ROOT / HOME).read_text()
     source += "\n\ndef leak():\n    torch._dynamo.config.verbose = True\n"
