@@ -40,6 +40,13 @@ class BatchKey:
                 f"enclosing compile_rng.step / microbatch holds {rows.count} rows of this rank's batch; "
                 "pass the rows of the batch this call processes"
             )
+        if rows.stride != 1:
+            raise NotImplementedError(
+                f"compile_rng: the batched graph {self.name} runs in a step whose rows are interleaved in the "
+                f"global batch (every {rows.stride}th row, as DistributedSampler deals them): compiled graphs "
+                "draw contiguous rows only, so far. Run that model eagerly in the step, or give each rank a "
+                "contiguous block of the global batch (rows='contiguous': accelerate's loader does)"
+            )
         return rows
 
     def __call__(self, seed: int, offset: int, rows: Rows) -> torch.Tensor:

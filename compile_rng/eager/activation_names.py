@@ -41,7 +41,7 @@ def microbatch_rows(rows: Rows, microbatches: int, index: int) -> Rows:
     """Rows of microbatch ``index`` when this rank's ``rows`` are split into
     ``microbatches`` by ``torch.tensor_split`` (the first ``count % microbatches`` get one more)."""
     q, r = divmod(rows.count, microbatches)
-    return Rows(rows.start + index * q + min(index, r), q + (index < r), rows.total)
+    return rows.sub(index * q + min(index, r), q + (index < r))
 
 
 def _is_stage(obj: object) -> bool:

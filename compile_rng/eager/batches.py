@@ -9,8 +9,9 @@ advances the stream by ``ceil4(total * row_numel)``, on every rank alike.
 
 A *step* (:func:`step`) fixes where the rows come from:
 
-* the global batch is the data-parallel ranks' local batches in mesh-coordinate order
-  (any sizes: an uneven last batch is the normal case);
+* the global batch is the data-parallel ranks' local batches, as the data loader dealt
+  them: contiguous blocks in mesh-coordinate order (any sizes: an uneven last batch is
+  the normal case), interleaved rows (``DistributedSampler``), or explicit positions;
 * every microbatch (:meth:`Step.microbatch`) restarts at the stream position the step
   began at, so a sample draws the same masks whichever microbatch it is in; the step
   ends at the position every microbatch reached (they must agree) - exactly where one
@@ -23,7 +24,7 @@ Outside a step a batched graph's tensors are the whole batch (``start = 0``,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,9 +54,47 @@ def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
     return data_parallel, dist.get_rank(data_parallel), dist.get_world_size(data_parallel), device
 
 
-def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None) -> Rows:
-    """This rank's rows of the global batch."""
+ORDERS = ("contiguous", "interleaved")
+
+
+def _evenly_spaced(positions: Sequence[int], local_batch: int) -> tuple[int, int]:
+    """``(first, spacing)`` of this rank's explicit global row positions."""
+    positions = [int(p) for p in positions]
+    if len(positions) != local_batch:
+        raise ValueError(f"compile_rng.step: rows= lists {len(positions)} positions for a local batch of {local_batch}")
+    spacing = positions[1] - positions[0] if len(positions) > 1 else 1
+    if spacing <= 0 or any(b - a != spacing for a, b in zip(positions, positions[1:])):
+        raise NotImplementedError(
+            f"compile_rng.step: this rank's rows sit at global positions {positions[:8]}..., not evenly spaced "
+            "in increasing order: order this rank's batch by global position (a sampler's order within a "
+            "rank is free), or use rows='contiguous' / 'interleaved'"
+        )
+    return (positions[0] if positions else 0), spacing
+
+
+def _dealt(order: str, coord: int, size: int, total: int) -> Rows:
+    """Rank ``coord`` of ``size``'s rows of a global batch of ``total`` rows dealt by ``order``:
+    ``torch.chunk``'s blocks (DTensor's ``Shard(0)``), or one row each in turn."""
+    if order == "interleaved":
+        return Rows(coord, max(0, -(-(total - coord) // size)), total, size)
+    chunk = -(-total // size)
+    start = min(coord * chunk, total)
+    return Rows(start, max(min(chunk, total - start), 0), total)
+
+
+def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, order: Any) -> Rows:
+    """This rank's rows of the global batch (``order``: see :func:`step`)."""
+    if isinstance(order, str):
+        if order not in ORDERS:
+            raise ValueError(f"compile_rng.step: rows={order!r}; expected one of {ORDERS} or this rank's positions")
+        spaced = None
+    else:
+        spaced = _evenly_spaced(order, local_batch)
     if data_parallel is None:
+        if spaced is not None:
+            if global_batch is None:
+                raise ValueError("compile_rng.step: rows=<positions> without data_parallel needs global_batch=")
+            return _within(Rows(spaced[0], local_batch, global_batch, spaced[1]))
         if global_batch not in (None, local_batch):
             raise ValueError(
                 f"compile_rng.step: global_batch={global_batch} but local_batch={local_batch} "
@@ -65,24 +104,46 @@ def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None) -
     import torch.distributed as dist
 
     group, coord, size, device = _group_coordinate(data_parallel)
-    if global_batch is not None:
-        # DTensor's Shard(0) layout (torch.chunk): no communication needed.
-        chunk = -(-global_batch // size)
-        start = min(coord * chunk, global_batch)
-        expected = max(min(chunk, global_batch - start), 0)
-        if local_batch != expected:
+    if global_batch is not None and spaced is None:  # no communication needed
+        rows = _dealt(order, coord, size, global_batch)
+        if local_batch != rows.count:
             raise ValueError(
-                f"compile_rng.step: global_batch={global_batch} over {size} data-parallel ranks gives "
-                f"coordinate {coord} {expected} rows (torch.chunk), but local_batch={local_batch}; "
+                f"compile_rng.step: global_batch={global_batch} dealt {order} over {size} data-parallel ranks "
+                f"gives coordinate {coord} {rows.count} rows, but local_batch={local_batch}; "
                 "omit global_batch to gather the ranks' actual sizes"
             )
-        return Rows(start, local_batch, global_batch)
-    mine = torch.tensor([coord, local_batch], dtype=torch.int64, device=device)
+        return rows
+    first, spacing = spaced or (0, 1)
+    mine = torch.tensor([coord, local_batch, first, spacing], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
-    sizes = dict(t.tolist() for t in gathered)
-    start = sum(n for c, n in sizes.items() if c < coord)
-    return Rows(start, local_batch, sum(sizes.values()))
+    ranks = {c: (n, f, d) for c, n, f, d in (t.tolist() for t in gathered)}
+    total = sum(n for n, _, _ in ranks.values())
+    if global_batch is not None and total != global_batch:
+        raise ValueError(f"compile_rng.step: the ranks hold {total} rows, but global_batch={global_batch}")
+    if spaced is None and order == "contiguous":
+        return Rows(sum(n for c, (n, _, _) in ranks.items() if c < coord), local_batch, total)
+    if spaced is None:  # interleaved: every rank must hold its dealt share
+        for c, (n, _, _) in ranks.items():
+            if n != _dealt(order, c, size, total).count:
+                raise ValueError(
+                    f"compile_rng.step(rows='interleaved'): {total} rows dealt over {size} ranks give coordinate "
+                    f"{c} {_dealt(order, c, size, total).count} rows, but it holds {n}"
+                )
+        return Rows(coord, local_batch, total, size)
+    held = sorted(f + i * d for n, f, d in ranks.values() for i in range(n))
+    if held != list(range(total)):
+        raise ValueError(
+            f"compile_rng.step: the ranks' rows= positions do not cover the global batch of {total} rows once "
+            "each (a row held twice or by no rank would draw another row's masks)"
+        )
+    return Rows(first, local_batch, total, spacing)
+
+
+def _within(rows: Rows) -> Rows:
+    if rows.count and not (0 <= rows.start and rows.start + (rows.count - 1) * rows.stride < rows.total):
+        raise ValueError(f"compile_rng.step: rows= positions outside the global batch of {rows.total} rows")
+    return rows
 
 
 class Step:
@@ -103,7 +164,7 @@ class Step:
                 f"compile_rng: microbatch of {rows} rows after {self._used} of this rank's "
                 f"{self.rows.count}; the microbatches must split the step's local batch"
             )
-        mine = Rows(self.rows.start + self._used, rows, self.rows.total)
+        mine = self.rows.sub(self._used, rows)
         self._used += rows
         state.restore(self._start)
         token = set_rows(mine)
@@ -132,7 +193,7 @@ class Step:
 @contextlib.contextmanager
 def step(
     local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None,
-    names: Any = None, microbatches: int | None = None,
+    names: Any = None, microbatches: int | None = None, rows: str | Sequence[int] = "contiguous",
 ) -> Iterator[Step]:
     """One training step of ``local_batch`` rows on this rank.
 
@@ -142,6 +203,12 @@ def step(
     taken to be DTensor's ``Shard(0)`` split of it. Batched graphs called in the block
     draw at this rank's rows; use :meth:`Step.microbatch` for gradient accumulation.
 
+    ``rows`` is where this rank's rows sit in the global batch: ``"contiguous"`` (a block,
+    in coordinate order), ``"interleaved"`` (rows ``coord, coord + size, ...``: how
+    ``DistributedSampler`` and ``datasets``' ``split_dataset_by_node`` deal samples), or this
+    rank's global row positions (evenly spaced; checked to cover the batch once, over the
+    ranks). Compiled batched graphs take contiguous rows only.
+
     ``names`` (the model, or this rank's ``PipelineStage`` objects) makes every eager
     random op in the block draw from the stream of its name in the model instead of the
     step's sequence (:mod:`compile_rng.semantics.named_draws`), so that pipeline stages
@@ -150,7 +217,7 @@ def step(
     """
     if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
         raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
-    rows = _rank_rows(local_batch, data_parallel, global_batch)
+    rows = _rank_rows(local_batch, data_parallel, global_batch, rows)
     if names is None:
         if microbatches is not None:
             raise ValueError("compile_rng.step: microbatches= goes with names=<pipeline stages>")

@@ -252,12 +252,13 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
     rows = current_rows()
+    strides = contiguous_strides(size)
     if rows is None:
         offset, advance = 0, ceil4(math.prod(size))
     else:
-        offset, advance = batch_window(func, size, rows)
+        offset, advance, strides[0] = batch_window(func, size, rows)
     seed, base = draw_position(func, advance, device)
-    return cr_ops.make_key(seed, base, device), offset, contiguous_strides(size)
+    return cr_ops.make_key(seed, base, device), offset, strides
 
 
 @contextlib.contextmanager

@@ -188,12 +188,20 @@ class Tracker(dtensor_rng_tracker_base()):
             advance = int(sharding.advance())
             row_offset = 0
             if rows is not None:
-                row_offset, advance = batch_window(func, sharding.global_shape, rows)
+                row_offset, advance, row_step = batch_window(func, sharding.global_shape, rows)
+                if rows.stride != 1 and (isinstance(layout, Pieces) or sharding.shards_dim(0)):
+                    raise NotImplementedError(
+                        f"compile_rng: {func} on a DTensor sharded on its batch dim ({sharding.placements}) in a "
+                        "step whose rows are interleaved: its rows are not evenly spaced in the global batch. "
+                        "Give this step contiguous rows (rows='contiguous'), or keep dim 0 of the activation unsharded"
+                    )
             seed, base = draw_position(func, advance, device)
             key = cr_ops.make_key(seed, base, device)
             if isinstance(layout, Pieces):
                 return key, layout.shifted(row_offset), None
             offset, strides = layout
+            if rows is not None and rows.stride != 1:  # interleaved rows: row_step counters apart
+                strides = [row_step, *strides[1:]]
             return key, offset + row_offset, strides
 
         with RandomOpMode(counters):

@@ -20,11 +20,18 @@ from compile_rng.stream import ceil4
 
 @dataclass(frozen=True)
 class Rows:
-    """This call's rows of the step's global batch: ``[start, start + count)`` of ``total``."""
+    """This call's rows of the step's global batch of ``total`` rows: local row ``i`` is
+    global row ``start + i * stride`` (``stride`` 1: a contiguous block, rank-major; the data-
+    parallel size: interleaved, as ``DistributedSampler`` and ``split_dataset_by_node`` deal them)."""
 
     start: int
     count: int
     total: int
+    stride: int = 1
+
+    def sub(self, first: int, count: int) -> Rows:
+        """Local rows ``[first, first + count)`` of these (a microbatch)."""
+        return Rows(self.start + first * self.stride, count, self.total, self.stride)
 
 
 _rows: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("compile_rng_rows", default=None)
@@ -44,12 +51,12 @@ def reset_rows(token: contextvars.Token) -> None:
     _rows.reset(token)
 
 
-def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[int, int]:
-    """``(row offset, advance)`` of an eager random op inside a step whose tensor (its
-    DTensor-global shape ``global_shape``) is batch-major: its rows are ``rows`` of the
-    global batch, so element ``(i, j...)`` draws counter ``row offset + i * row_numel +
-    j...`` of a range of ``ceil4(rows.total * row_numel)`` - what a batched graph's op
-    draws (:mod:`compile_rng.passes.functionalize_rng`)."""
+def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[int, int, int]:
+    """``(row offset, advance, row step)`` of an eager random op inside a step whose tensor
+    (its DTensor-global shape ``global_shape``) is batch-major: its rows are ``rows`` of the
+    global batch, so element ``(i, j...)`` draws counter ``row offset + i * row step + j...``
+    of a range of ``ceil4(rows.total * row_numel)`` - what a batched graph's op draws
+    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows."""
     if not global_shape or int(global_shape[0]) != rows.count:
         raise NotImplementedError(
             f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
@@ -58,4 +65,4 @@ def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[i
             "shape) outside the step block, or transpose the tensor so the batch comes first"
         )
     row_numel = math.prod(int(s) for s in global_shape[1:])
-    return rows.start * row_numel, ceil4(rows.total * row_numel)
+    return rows.start * row_numel, ceil4(rows.total * row_numel), rows.stride * row_numel

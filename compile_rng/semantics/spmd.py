@@ -77,6 +77,10 @@ class Sharding:
                 dims[p.dim].append(mesh_dim)
         return dims
 
+    def shards_dim(self, dim: int) -> bool:
+        """Whether some mesh dim shards tensor dim ``dim``."""
+        return bool(self._mesh_dims_by_tensor_dim()[dim])
+
     def first_shard_shape(self) -> list:
         """Shape of the shard at coordinate 0, as the tracker sizes it: each sharding
         placement chunks the *global* dim (so two mesh dims on one tensor dim keep the
