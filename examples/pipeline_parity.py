@@ -4,11 +4,14 @@ A GPT with attention, residual and MLP dropout (``train_parity.py``'s blocks) an
 transformers Llama with attention dropout are split into pipeline stages the way
 torchtitan splits a model - each stage a module that keeps the unsplit model's names
 (layers in a ``ModuleDict`` keyed by their original index) - and trained with
-``torch.distributed.pipelining``'s schedules on gloo ranks, eagerly:
+``torch.distributed.pipelining``'s schedules on gloo ranks:
 
 * ``GPipe`` and ``1F1B``: 2 stages on 2 ranks; ``Interleaved1F1B``: 4 stages, 2 per rank;
-* ``PP=2``, ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
-  ``ColwiseParallel()`` / ``RowwiseParallel()`` plan, local outputs) on 4 ranks;
+* ``PP=2`` (eager), ``PP=2+AC`` (every block in ``checkpoint_wrapper``), ``PP=2+AC+compile``
+  (torchtitan's recipe: AC, then every block compiled with ``fullgraph=True`` by
+  ``compile_rng.backend(layout="invariant", batched=True)``) on 2 ranks; ``PP=2xDP=2``
+  (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain ``ColwiseParallel()`` /
+  ``RowwiseParallel()`` plan, local outputs) on 4 ranks;
 * any number of microbatches.
 
 Every step runs in ``compile_rng.step(local_batch, names=stages, microbatches=n)``: each
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import sys
 import tempfile
@@ -180,6 +184,20 @@ def checkpoint_blocks(module: nn.Module) -> None:
         blocks[key] = checkpoint_wrapper(blocks[key])
 
 
+@functools.cache
+def block_backend():
+    """The backend of compiled blocks (one object: Dynamo recompiles a function it
+    compiled with another backend object)."""
+    return compile_rng.backend(layout="invariant", batched=True)
+
+
+def compile_blocks(module: nn.Module) -> None:
+    """torchtitan's per-block compile: ``block.compile(fullgraph=True)`` on every
+    TransformerBlock, in place (the name keeps no ``_orig_mod``)."""
+    for block in transformer_blocks(module):
+        block.compile(backend=block_backend(), fullgraph=True)
+
+
 # --- parallelisms ----------------------------------------------------------------------
 
 
@@ -189,6 +207,7 @@ class Composition:
     dp: int = 1
     tp: int = 1
     ac: bool = False  # every block in checkpoint_wrapper (torchtitan's full AC)
+    compiled: bool = False  # every block compiled on its own (torchtitan: after AC, before FSDP2)
 
     @property
     def world(self) -> int:
@@ -196,7 +215,8 @@ class Composition:
 
 
 COMPOSITIONS = {
-    "PP=2": Composition(), "PP=2+AC": Composition(ac=True), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
+    "PP=2": Composition(), "PP=2+AC": Composition(ac=True),
+    "PP=2+AC+compile": Composition(ac=True, compiled=True), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
 }
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # stages per rank
 FAMILIES = ("gpt", "llama")
@@ -253,6 +273,8 @@ class Pipeline:
                 _tensor_parallel(module, mesh["tp"])
             if how.ac:
                 checkpoint_blocks(module)
+            if how.compiled:
+                compile_blocks(module)
             if how.dp > 1:
                 from torch.distributed.fsdp import fully_shard
 

@@ -5,6 +5,12 @@ the batch, the op advances by ``ceil4(rows_total * row_numel)`` and starts ``row
 row_numel`` into its range. Those terms are runtime values, so they are added to the
 op's key in the graph (int64 tensor arithmetic on the key), while the rest of the offset
 stays a SymInt (example in :mod:`compile_rng.passes.functionalize_rng`).
+
+A batched graph has a second extra input, the key table (``[rows, 2]`` int64): random op
+``j`` draws with ``key[:2] ^ table[j]``. Called in the step's sequence the table is zeros
+(the key is the graph's); in a step with ``names=`` the runtime fills row ``j`` with op
+``j``'s named stream (:mod:`compile_rng.compiled.named_keys`), so one compiled graph
+serves both rules.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ class BatchRows:
     """A batched graph's rows: the key input ``[seed, base, row_start, rows_total]`` split
     into the ops' key and the runtime row values, and the per-op offset terms in them."""
 
-    def __init__(self, graph: fx.Graph, key: fx.Node, emitter: SymEmitter, plan: RngPlan, first: fx.Node):
-        self.graph, self.emitter, self.plan = graph, emitter, plan
+    def __init__(
+        self, graph: fx.Graph, key: fx.Node, table: fx.Node, emitter: SymEmitter, plan: RngPlan, first: fx.Node
+    ):
+        self.graph, self.emitter, self.plan, self.table = graph, emitter, plan, table
         with graph.inserting_before(first):  # dominates every random op
             self.key = call(graph, torch.ops.aten.slice.Tensor, key, 0, 0, 2)
             start = call(graph, torch.ops.aten.select.int, key, 0, 2)
@@ -52,17 +60,25 @@ class BatchRows:
             )
         return sympy.Mul(*global_shape[1:]) if len(global_shape) > 1 else sympy.Integer(1)
 
-    def key_and_offset(self, offset: sympy.Expr) -> tuple[fx.Node, Any]:
-        """The op's key node and its SymInt offset: the row terms of ``offset`` are added to
-        the key's base in the graph (they are runtime values), the rest is a SymInt."""
+    def key_and_offset(self, offset: sympy.Expr, site: int) -> tuple[fx.Node, Any]:
+        """Random op ``site``'s key node and its SymInt offset: the key is ``key[:2] ^
+        table[site]``; the row terms of ``offset`` are added to its base in the graph (they
+        are runtime values), the rest is a SymInt."""
+        rows_in_table = self.table.meta["val"].shape[0]
+        if site >= rows_in_table:
+            raise RuntimeError(
+                f"compile_rng internal error: random op {site} of a batched graph, but its key table has "
+                f"{rows_in_table} rows (sized from Dynamo's graph); please report it"
+            )
+        g = self.graph
+        key = call(g, torch.ops.aten.bitwise_xor.Tensor, self.key, call(g, torch.ops.aten.select.int, self.table, 0, site))
         static, rows = sympy.expand(offset).as_independent(*BATCH_SYMBOLS, as_Add=True)
         offset_value = self.emitter.emit(static)
         if rows == 0:
-            return self.key, offset_value
-        g = self.graph
+            return key, offset_value
         shift = self._tensor(rows)
-        head = call(g, torch.ops.aten.slice.Tensor, self.key, 0, 0, 1)
-        base = call(g, torch.ops.aten.add.Tensor, call(g, torch.ops.aten.slice.Tensor, self.key, 0, 1, 2), shift)
+        head = call(g, torch.ops.aten.slice.Tensor, key, 0, 0, 1)
+        base = call(g, torch.ops.aten.add.Tensor, call(g, torch.ops.aten.slice.Tensor, key, 0, 1, 2), shift)
         return call(g, torch.ops.aten.cat.default, [head, base]), offset_value
 
     def _tensor(self, expr: sympy.Expr) -> Any:

@@ -55,12 +55,12 @@ from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import detect_fake_mode
+from compile_rng._torch.torch_internals import detect_fake_mode, dynamo_module_call, dynamo_module_source
 from compile_rng.compiled.pending_key import SITE
 from compile_rng.passes.batch_rows import BatchRows
 from compile_rng.passes.dropout_backward import dropout_backward_from_stream
 from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of
-from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, RewrittenOp, RngPlan, Unsupported
+from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, RewrittenOp, RngPlan, Unsupported
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
 from compile_rng.semantics.random_ops import RULES, RandomCall, draws, is_random, normalized_arguments, unsupported
 from compile_rng.semantics.spmd import contiguous_strides
@@ -108,18 +108,48 @@ def _functional_node(node: fx.Node) -> fx.Node:
     raise AssertionError(f"no compile_rng op behind {node}")
 
 
-def find_key(graph: fx.Graph, batched: bool = False) -> fx.Node:
-    """The key input: the last primal / user input, added by the backend."""
-    inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+def _user_inputs(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+
+
+def find_key(graph: fx.Graph, batched: bool = False) -> tuple[fx.Node, fx.Node | None]:
+    """The key input (the last primal / user input) and, in a batched graph, the key
+    table before it (:mod:`compile_rng.passes.batch_rows`); both added by the backend."""
+    inputs = _user_inputs(graph)
     key = inputs[-1] if inputs else None
+    table = inputs[-2] if batched and len(inputs) > 1 else None
     val = key.meta.get("val") if key is not None else None
     length = 4 if batched else 2
-    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and tuple(val.shape) == (length,)):
+    table_val = table.meta.get("val") if table is not None else None
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and tuple(val.shape) == (length,)) or (
+        batched and not (isinstance(table_val, torch.Tensor) and table_val.ndim == 2 and table_val.shape[1] == 2)
+    ):
         raise RuntimeError(
-            "compile_rng internal error: the graph's last input is not the rng key; "
+            "compile_rng internal error: the graph's last inputs are not the rng key; "
             "was this graph compiled through compile_rng.backend()?"
         )
-    return key
+    return key, table
+
+
+def _module_site(node: fx.Node, ordinals: dict) -> ModuleSite | None:
+    """Where ``node`` sits among the compiled code's modules (Dynamo's ``nn_module_stack``;
+    a DTensor op's functional node was traced inside the op's dispatch and carries it too)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack is None:  # a pending key's functional op: the stack is on the op that used it
+        stack = next((u.meta.get("nn_module_stack") for u in node.users if u.meta.get("nn_module_stack")), None)
+    if stack:
+        key, (path, _cls) = list(stack.items())[-1]
+        source = dynamo_module_source(path)
+        if source is None:
+            return None
+        scope, root, dotted = source
+        where = (scope, root, dotted, dynamo_module_call(key))
+    else:
+        where = ("L", "", "", 0)  # the compiled frame's own module (its first argument)
+    ordinal = ordinals.get(where, 0)
+    ordinals[where] = ordinal + 1
+    scope, root, dotted, call = where
+    return ModuleSite(root, dotted, call, ordinal, scope)
 
 
 def _draws(node: fx.Node) -> bool:
@@ -174,8 +204,9 @@ def functionalize_rng(graph: fx.Graph, plan: RngPlan) -> None:
 
 def _note_draw_inputs(graph: fx.Graph, plain_sites: list[fx.Node], plan: RngPlan) -> None:
     """Record which graph inputs the plain-tensor random ops' tensors are computed from."""
-    inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    position = {n: i for i, n in enumerate(inputs[:-1])}  # the key is the last input
+    added = 2 if plan.batched else 1  # the key (and a batched graph's key table) come last
+    inputs = _user_inputs(graph)
+    position = {n: i for i, n in enumerate(inputs[:-added])}
     found, seen, todo = set(plan.draw_inputs), set(), list(plain_sites)
     while todo:
         node = todo.pop()
@@ -184,7 +215,7 @@ def _note_draw_inputs(graph: fx.Graph, plain_sites: list[fx.Node], plan: RngPlan
             if node in position:
                 found.add(position[node])
             todo.extend(node.all_input_nodes)
-    plan.draw_inputs, plan.traced_inputs = tuple(sorted(found)), len(inputs) - 1
+    plan.draw_inputs, plan.traced_inputs = tuple(sorted(found)), len(inputs) - added
 
 
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
@@ -193,10 +224,11 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
         dropout_backward_from_stream(graph)
         return
     plan.graphs_before.append(graph.python_code("self").src)
-    key = find_key(graph, plan.batched)
+    key, table = find_key(graph, plan.batched)
     _note_draw_inputs(graph, [n for n in sites if n.target is not pending_key], plan)
     emitter = SymEmitter(graph)
-    batch = BatchRows(graph, key, emitter, plan, sites[0]) if plan.batched else None
+    batch = BatchRows(graph, key, table, emitter, plan, sites[0]) if plan.batched else None
+    ordinals: dict = {}
     for node in sites:
         base = plan.total_advance
         pending = node.target is pending_key
@@ -214,21 +246,23 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
             else tuple(expr(s) for s in first_val(node).shape)
         )
         numel = sympy.Mul(*global_shape) if global_shape else sympy.Integer(1)
+        module = None
         with graph.inserting_before(node):
             if batch is None:
                 op_key, base_value = key, emitter.emit(base)
                 advance = ceil4_expr(numel)
             else:
                 row_numel = batch.row_numel(node, global_shape)
-                op_key, base_value = batch.key_and_offset(base + ROW_START * row_numel)
+                op_key, base_value = batch.key_and_offset(base + ROW_START * row_numel, len(plan.ops))
                 advance = ceil4_expr(ROWS_TOTAL * row_numel)
+                module = _module_site(node, ordinals)
             if pending:
                 new = _resolve_pending(node, op_key, base_value)
                 val = first_val(new)
                 record = RewrittenOp(
                     info.op, str(new.target), new.name, source_of(new), tuple(expr(s) for s in val.shape),
                     val.dtype, base, advance, info.layout, info.sharding, expr(info.start),
-                    tuple(expr(c) for c in info.coords), info.mesh,
+                    tuple(expr(c) for c in info.coords), info.mesh, module,
                 )
             else:
                 call = _GraphCall(node, op_key, base_value, emitter)
@@ -236,7 +270,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
-                    tuple(call.shape), call.dtype, base, advance, plan.layout,
+                    tuple(call.shape), call.dtype, base, advance, plan.layout, module=module,
                 )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)

@@ -7,7 +7,14 @@ from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import FloorDiv, detect_fake_mode, dynamo_module_path, tree_leaves
+from compile_rng._torch.torch_internals import (
+    FloorDiv,
+    detect_fake_mode,
+    dynamo_module_call,
+    dynamo_module_path,
+    dynamo_module_source,
+    tree_leaves,
+)
 from torch import fx
 
 
@@ -50,3 +57,20 @@ def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     with detect_fake_mode(tensors):
         node.meta["val"] = target(*vals, **kwargs)
     return node
+
+
+def module_calls(gm: fx.GraphModule) -> dict[tuple[str, str, str], int]:
+    """How many times each module runs in Dynamo's graph ``gm`` (and the graphs it holds:
+    checkpointed regions): ``(scope, root, path) -> calls``, the module reached from the
+    compiled frame's local or global ``root`` by ``path`` (the frame's own modules, at
+    path ``""``, are left out: their calls are the frame's)."""
+    calls: dict[tuple[str, str, str], int] = {}
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+                source = dynamo_module_source(path)
+                if source is not None and source[2]:
+                    calls[source] = max(calls.get(source, 0), dynamo_module_call(key) + 1)
+    return calls

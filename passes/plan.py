@@ -12,6 +12,25 @@ import torch
 from compile_rng.semantics.spmd import Sharding
 
 
+@dataclass(frozen=True)
+class ModuleSite:
+    """Where a random op of a batched graph sits among the modules of the compiled code,
+    for the named streams of ``compile_rng.step(names=...)`` (resolved per call:
+    :mod:`compile_rng.compiled.named_keys`).
+
+    ``root`` is the compiled frame's local (or global) that Dynamo's module paths start
+    from (``"self"`` for a module's forward), ``path`` the dotted path of the innermost
+    module running the op below it (``""``: the op runs in ``root`` itself), ``call`` the
+    module's call within the graph (Dynamo numbers a module's later calls in one graph)
+    and ``ordinal`` how many random ops that call ran before this one in the graph."""
+
+    root: str
+    path: str
+    call: int
+    ordinal: int
+    scope: str = "L"  # "L": a local of the compiled frame; "G": a global
+
+
 @dataclass
 class RewrittenOp:
     """One random op the pass made functional (for tests, dumps and explain)."""
@@ -29,6 +48,7 @@ class RewrittenOp:
     start: sympy.Expr = sympy.Integer(0)  # the rank's first counter within the range
     coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
     mesh: Any = None  # the DeviceMesh of a DTensor op
+    module: ModuleSite | None = None  # batched graphs: where the op sits (named streams)
 
 
 @dataclass
@@ -77,6 +97,11 @@ class RngPlan:
     #: backend refuses a tensor-parallel rank's local piece there (compile_rng.semantics.local_values)
     draw_inputs: tuple[int, ...] = ()
     traced_inputs: int = 0
+    #: batched graphs: the rows of the per-op key table input (one row per random op, at
+    #: most; the backend sizes it from the Dynamo graph), and each module's calls in the
+    #: graph as ``(scope, root, path) -> calls`` (the backend reads them off Dynamo's graph)
+    key_table_rows: int = 0
+    module_calls: dict = field(default_factory=dict)
 
     @property
     def loaded_from_cache(self) -> bool:

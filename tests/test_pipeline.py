@@ -187,17 +187,6 @@ def test_what_cannot_be_named_is_refused():
         _forward_backward(shared, *_batch())
 
 
-def test_a_compiled_graph_in_a_named_step_is_refused():
-    model = pp.whole_model("gpt")
-    mlp = model.blocks["0"].mlp
-    block = torch.compile(lambda x: mlp(x), backend=compile_rng.backend(layout="invariant", batched=True))
-    x = torch.randn(8, 4, pp.CONFIG.dim, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="named streams"):
-        with compile_rng.step(8, names=model):
-            model.blocks["0"].forward = lambda x: block(x)
-            model.blocks["0"](x)
-
-
 # --- real ranks --------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import re
 import traceback
 from collections.abc import Iterator
@@ -68,6 +69,11 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "default_partition",
     "detect_fake_mode",
     "dynamo_module_path",
+    "dynamo_module_source",
+    "dynamo_module_call",
+    "compiled_frame",
+    "is_resume_frame",
+    "in_backward",
     "disable_dynamo",
     "distribute_region",
     "graph_compile_id",
@@ -662,4 +668,58 @@ def dynamo_module_path(path: str) -> str:
     path: Dynamo spells it from the root module's source (``L['self']``) and its
     ``_modules['layers']`` lookups, an undocumented format (2.13.0, 2.15.0)."""
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
-    return re.sub(r"\._modules\['([^']*)'\]", r".\1", path).lstrip(".")
+    # a module's children are reached as ``._modules['x']`` or, inside a wrapper's forward
+    # (checkpoint_wrapper), ``.__dict__['_modules']['x']``
+    return re.sub(r"(?:^|\.)(?:__dict__\['_modules'\]|_modules)\['([^']*)'\]", r".\1", path).lstrip(".")
+
+
+_SOURCE_ROOT = re.compile(r"^([LG])\['([^']*)'\]")
+
+
+def dynamo_module_source(path: str) -> tuple[str, str, str] | None:
+    """``(scope, name, dotted path)`` of a Dynamo ``nn_module_stack`` entry's path:
+    ``L['self'].layers.0.attn`` -> ``("L", "self", "layers.0.attn")`` - the compiled frame's
+    local (``L``) or global (``G``) the module is reached from, and the path below it
+    (undocumented format, 2.13.0, 2.15.0); None for a path of another form."""
+    match = _SOURCE_ROOT.match(path)
+    if match is None:
+        return None
+    return match.group(1), match.group(2), dynamo_module_path(path[match.end():])
+
+
+def dynamo_module_call(key: str) -> int:
+    """Which call of its module an ``nn_module_stack`` entry is, within one graph: Dynamo
+    keys a module's first call by its id and the later ones ``id@1``, ``id@2``, ...
+    (undocumented, 2.13.0, 2.15.0)."""
+    _, _, call = key.partition("@")
+    return int(call) if call.isdigit() else 0
+
+
+def compiled_frame(skip: tuple[str, ...]) -> Any:
+    """The frame of the user's code that called a backend's compiled graph: the first
+    frame up the stack whose file is neither in ``torch/_dynamo`` (Dynamo's wrappers
+    around the graph) nor one of ``skip`` (the backend's own files). Dynamo runs the
+    graph from the transformed bytecode of the frame it compiled, so that frame's locals
+    are the ones its module paths start from (2.13.0, 2.15.0)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and (
+        f"torch{os.sep}_dynamo{os.sep}" in frame.f_code.co_filename or frame.f_code.co_filename in skip
+    ):
+        frame = frame.f_back
+    return frame
+
+
+def is_resume_frame(frame: Any) -> bool:
+    """Whether ``frame`` runs one of Dynamo's resume functions: the rest of a function
+    after a graph break, still in the call that broke (Dynamo names them
+    ``torch_dynamo_resume_in_<function>_at_<line>``, 2.13.0, 2.15.0)."""
+    return "torch_dynamo_resume_in" in frame.f_code.co_name
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (activation
+    checkpointing recomputes forwards there). ``torch._C._current_graph_task_id`` is -1
+    outside one (private, no public form; 2.13.0, 2.15.0)."""
+    return torch._C._current_graph_task_id() != -1

@@ -24,10 +24,11 @@ from torch import fx
 from compile_rng._torch import torch_internals
 from compile_rng.compiled import local_shards
 from compile_rng.compiled.inner_compilers import INNERS, compile_inner
-from compile_rng.compiled.key_input import graph_device, with_key_input
+from compile_rng.compiled.key_input import graph_device, key_table_rows, with_key_input
 from compile_rng.compiled.runtime import CompiledGraph
 from compile_rng.debug.dumps import dumping, write_plan
 from compile_rng.eager import dispatch_modes, tracker
+from compile_rng.passes.graph_nodes import module_calls
 from compile_rng.passes.plan import RngPlan
 from compile_rng.semantics import layouts, verify
 
@@ -89,7 +90,9 @@ class Backend:
             batched=self.config.batched,
         )
         device = graph_device(gm, list(example_inputs))
-        keyed_gm, inputs = with_key_input(gm, list(example_inputs), self.config.batched, device)
+        if self.config.batched:
+            plan.key_table_rows, plan.module_calls = key_table_rows(gm), module_calls(gm)
+        keyed_gm, inputs = with_key_input(gm, list(example_inputs), self.config.batched, device, plan.key_table_rows)
         output_layouts = local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
         check = verify.enabled(self.config.verify)
         # verify needs the ops' meshes, explain and dumps the pass's own record: the

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from compile_rng.compiled.named_keys import KeyTable
 from compile_rng.compiled.symbols import SizeFn
 from compile_rng.eager import dispatch_modes
 from compile_rng.ops import make_key
@@ -106,6 +107,7 @@ class CompiledGraph:
         self.signature = verify.signature(plan)
         self.groups: list = []
         self.pieces = LocalPieces(plan, len(placeholders), output_layouts)
+        self.table = KeyTable(plan, placeholders, device) if plan.batched else None
 
     def _check_ranks(self) -> None:
         if not self.groups:  # the process groups exist once the graph runs
@@ -114,22 +116,26 @@ class CompiledGraph:
         verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
 
     def __call__(self, *args: Any) -> Any:
-        if self.plan.ops and current_namer() is not None:
+        namer = current_namer() if self.plan.ops else None
+        if namer is not None and self.key_of is None:
             raise NotImplementedError(
                 f"compile_rng: the compiled graph {self.plan.name} draws random numbers inside a "
-                "compile_rng.step(names=...): compiled graphs draw from the step's sequence, not from "
-                "named streams (not supported yet). Run the stages eagerly in a step with names=, or "
-                "use compile_rng.step without names= (no pipeline parallelism)"
+                "compile_rng.step(names=...), but it was compiled by a backend without batched=True: "
+                "named streams draw at the ops' rows of the step's batch. Compile with "
+                "compile_rng.backend(layout='invariant', batched=True)"
             )
         if self.check:
             self._check_ranks()
-        if self.key_of is not None:
+        if self.key_of is None:
+            seed, offset = state.advance(self.advance(args), self.device)
+            inputs = (make_key(seed, offset, self.device),)
+        elif namer is None:
             rows = self.key_of.rows(args)
             seed, offset = state.advance(self.advance(args, {ROWS_TOTAL: rows.total}), self.device)
-            key = self.key_of(seed, offset, rows)
-        else:
-            seed, offset = state.advance(self.advance(args), self.device)
-            key = make_key(seed, offset, self.device)
+            inputs = (self.table.sequence(), self.key_of(seed, offset, rows))
+        else:  # every op from its named stream: the graph's key holds the rows only
+            rows = self.key_of.rows(args)
+            inputs = (self.table.named(namer, args, rows), self.key_of(0, 0, rows))
         self.pieces.check(args)
         with dispatch_modes.graph_call():
-            return self.pieces.record(self.compiled(*args, key))
+            return self.pieces.record(self.compiled(*args, *inputs))

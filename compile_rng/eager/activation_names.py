@@ -32,8 +32,9 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import module as nn_module
 
+from compile_rng._torch import torch_internals
 from compile_rng.semantics.model_names import module_names
-from compile_rng.semantics.named_draws import activation_name, activation_seed
+from compile_rng.semantics.named_draws import activation_name, activation_seed, current_namer
 from compile_rng.semantics.rows import Rows, current_rows, reset_rows, set_rows
 
 
@@ -67,13 +68,27 @@ class ActivationNames:
                 )
             self.fqn.update(module_names(root))
         self.roots = {id(r) for r in roots}
-        self.stack: list[tuple[nn.Module, str, int | None]] = []
-        self.calls: dict[str, int] = {}
-        self.ordinals: dict[tuple[str, int], int] = {}
-        self.ran_twice: set[str] = set()  # modules called more than once in a forward
+        self.stack: list[tuple[nn.Module, str, int]] = []
+        self._new_forward(None)
         # root forwards per (root, rows): the k-th forward over the same rows draws new masks
         self.forwards: dict[tuple[int, Rows], int] = {}
-        self.forward: int | None = 0  # of the forward running; None: a recomputation
+        self.ran_twice: set[str] = set()  # modules called more than once in a forward
+
+    def _new_forward(self, forward: int | None) -> None:
+        """A root's forward (its index over these rows) or, ``None``, a recomputation
+        (activation checkpointing) in backward: calls and ops are counted afresh."""
+        self.calls: dict[str, int] = {}
+        self.ordinals: dict[tuple[str, int], int] = {}
+        self.drawn: set[str] = set()  # names compiled graphs drew in this forward
+        self.forward = forward
+
+    def _call(self, fqn: str) -> int:
+        """A new call of module ``fqn``: its index in this forward."""
+        call = self.calls.get(fqn, 0)
+        self.calls[fqn] = call + 1
+        if call:
+            self.ran_twice.add(fqn)
+        return call
 
     # --- module hooks --------------------------------------------------------------
 
@@ -83,12 +98,11 @@ class ActivationNames:
             return
         if not self.stack:
             # a root's forward, or a recomputation (activation checkpointing) in backward
-            self.calls, self.ordinals = {}, {}
-            self.forward = self._count_forward(module) if id(module) in self.roots else None
-        call = self.calls.get(fqn, 0)
-        self.calls[fqn] = call + 1
-        if call:
-            self.ran_twice.add(fqn)
+            self._new_forward(self._count_forward(module) if id(module) in self.roots else None)
+        if self.stack and self.stack[-1][1] == fqn:  # a wrapper's call of the module it wraps
+            call = self.stack[-1][2]
+        else:
+            call = self._call(fqn)
         self.stack.append((module, fqn, call))
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -109,15 +123,88 @@ class ActivationNames:
         module, fqn, call = self.stack[-1]
         if id(outermost) not in self.roots:
             self._check_recomputation(op)
-        if self.split and id(module) in self.roots:
-            raise NotImplementedError(
-                f"compile_rng: {op} ran in the pipeline stage module's own forward: a stage module is "
-                "not a module of the unsplit model, so the op has no name in it. Draw it in a submodule"
-            )
+        self._check_in_submodule(op, fqn)
         ordinal = self.ordinals.get((fqn, call), 0)
         self.ordinals[(fqn, call)] = ordinal + 1
         seed, base = self.start[device.type]
         return activation_seed(seed, activation_name(fqn, call, ordinal, self.forward or 0)), base
+
+    def graph_positions(
+        self, graph: str, frame: Any, sites: Sequence[Any], module_calls: dict, device: torch.device
+    ) -> list[tuple[int, int]]:
+        """``(seed, base)`` of each random op of a compiled graph about to run from
+        ``frame`` (the user's frame Dynamo compiled): ``sites`` are the ops'
+        :class:`~compile_rng.passes.plan.ModuleSite`, ``module_calls`` the calls of each
+        module the graph runs. Inside the graph the module hooks were traced, not run: the
+        graph's calls and ops are counted here, as the hooks would have counted them."""
+        resolve = _FrameModules(frame, self.fqn, graph)
+        root, fqn_root = resolve.root()
+        resumed, backward = torch_internals.is_resume_frame(frame), torch_internals.in_backward()
+        if not self.stack and not resumed:
+            if fqn_root == "" and not backward:  # the model's (or stage's) forward is this graph's
+                self._new_forward(self._count_forward(root))
+            elif backward:  # activation checkpointing recomputes a compiled region
+                self._new_forward(None)
+        if self.stack and self.stack[-1][1] == fqn_root:  # a wrapper runs it: the wrapper's call
+            root_call = self.stack[-1][2]
+        elif resumed:  # the rest of a call after a graph break
+            root_call = max(self.calls.get(fqn_root, 1), 1) - 1
+            self.calls.setdefault(fqn_root, 1)
+        else:
+            root_call = self._call(fqn_root)
+        # each module's calls before this graph, then the graph's own (a wrapper and the
+        # module it wraps are one call of one name)
+        first: dict[str, int] = {}
+        runs: dict[str, int] = {}
+        for where, count in module_calls.items():
+            name = resolve.name(*where)
+            if name is not None and name != fqn_root:
+                first.setdefault(name, self.calls.get(name, 0))
+                runs[name] = max(runs.get(name, 0), count)
+        for name, count in runs.items():
+            self.calls[name] = first[name] + count
+            if self.calls[name] > 1:
+                self.ran_twice.add(name)
+        named = []
+        for site in sites:
+            fqn = resolve.name(site.scope, site.root, site.path) if site.path or site.root else fqn_root
+            if fqn is None:
+                raise RuntimeError(
+                    f"compile_rng: the compiled graph {graph} draws random numbers in a module that is not part of "
+                    "the model given as names= (it has no name in it); draw them in the model, or outside the step"
+                )
+            call = root_call if fqn == fqn_root else first.get(fqn, 0) + site.call
+            named.append((fqn, call, site.ordinal))
+        ordinals: dict[tuple[str, int], int] = {}
+        positions = []
+        for fqn, call, ordinal in named:
+            op = f"the compiled graph {graph}'s random op in {fqn or 'the model'}"
+            if self.forward is None:
+                self._check_recomputation(op, fqn)
+            self._check_in_submodule(op, fqn)
+            ordinal += self.ordinals.get((fqn, call), 0)
+            ordinals[(fqn, call)] = max(ordinals.get((fqn, call), 0), ordinal + 1)
+            name = activation_name(fqn, call, ordinal, self.forward or 0)
+            if self.forward is not None:
+                if name in self.drawn:
+                    raise NotImplementedError(
+                        f"compile_rng: {op} would draw the stream {name!r} a second time in one forward: a module "
+                        "ran more than once in a forward in a way the compiled graph cannot count (weight sharing "
+                        "across a graph break). Compile the shared module on its own (module.compile()), or run it "
+                        "eagerly in the step"
+                    )
+                self.drawn.add(name)
+            seed, base = self.start[device.type]
+            positions.append((activation_seed(seed, name), base))
+        self.ordinals.update(ordinals)
+        return positions
+
+    def _check_in_submodule(self, op: object, fqn: str) -> None:
+        if self.split and fqn == "":
+            raise NotImplementedError(
+                f"compile_rng: {op} ran in the pipeline stage module's own forward: a stage module is "
+                "not a module of the unsplit model, so the op has no name in it. Draw it in a submodule"
+            )
 
     def _count_forward(self, root: nn.Module) -> int:
         """This forward's index among the root's forwards over the current rows (the
@@ -129,8 +216,10 @@ class ActivationNames:
         self.forwards[(id(root), rows)] = index + 1
         return index
 
-    def _check_recomputation(self, op: object) -> None:
+    def _check_recomputation(self, op: object, fqn: str | None = None) -> None:
         repeated = [fqn for _, fqn, _ in self.stack if fqn in self.ran_twice]
+        if fqn is not None and fqn in self.ran_twice:
+            repeated.append(fqn)
         if repeated:
             raise NotImplementedError(
                 f"compile_rng: {op} is recomputed (activation checkpointing) in {repeated[-1]!r}, a "
@@ -144,15 +233,79 @@ class ActivationNames:
                 "Run one forward per step (or per microbatch) with checkpointing, or do not checkpoint"
             )
 
-    @contextlib.contextmanager
-    def hooked(self) -> Iterator[None]:
-        pre = nn_module.register_module_forward_pre_hook(self.enter)
-        post = nn_module.register_module_forward_hook(self.leave, always_call=True)
-        try:
-            yield
-        finally:
-            pre.remove()
-            post.remove()
+
+class _FrameModules:
+    """The modules a compiled graph's module paths name, found from the frame that runs
+    it, and their names in the model."""
+
+    def __init__(self, frame: Any, names: dict[int, str], graph: str):
+        self.frame, self.names, self.graph = frame, names, graph
+        self._found: dict[tuple[str, str, str], str | None] = {}
+
+    def _local(self, scope: str, root: str) -> Any:
+        space = self.frame.f_globals if scope == "G" else self.frame.f_locals
+        return space.get(root)
+
+    def root(self) -> tuple[nn.Module, str]:
+        """The module whose forward the frame runs (its first module argument: ``self``,
+        also in a resume function after a graph break) and its name."""
+        code = self.frame.f_code
+        arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        local = self.frame.f_locals
+        for argument in sorted(arguments, key=lambda a: a != "self"):
+            value = local.get(argument)
+            if isinstance(value, nn.Module) and id(value) in self.names:
+                return value, self.names[id(value)]
+        raise RuntimeError(
+            f"compile_rng: the compiled graph {self.graph} draws random numbers in a step with names=, but the "
+            f"code Dynamo compiled ({code.co_name} in {code.co_filename}) is not the forward of a module of the "
+            "model given as names=, so its ops have no names. Compile the model's modules "
+            "(module.compile() or torch.compile(module)) rather than a function that calls them"
+        )
+
+    def name(self, scope: str, root: str, path: str) -> str | None:
+        """The name of the module at ``path`` below the frame's ``root`` (None: not a
+        module of the model)."""
+        where = (scope, root, path)
+        if where not in self._found:
+            base = self._local(scope, root) if root else self.root()[0]
+            try:
+                module = base.get_submodule(path) if isinstance(base, nn.Module) else None
+            except AttributeError:
+                module = None
+            self._found[where] = self.names.get(id(module)) if module is not None else None
+        return self._found[where]
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    # Inside a compiled region Dynamo traces the hooks: they must add nothing to the graph
+    # (the graph counts its own calls: ActivationNames.graph_positions)
+    if torch.compiler.is_compiling():
+        return
+    namer = current_namer()
+    if isinstance(namer, ActivationNames):
+        namer.enter(module, args)
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    namer = current_namer()
+    if isinstance(namer, ActivationNames):
+        namer.leave(module, args, output)
+
+
+_installed_hooks: list = []
+
+
+def install_hooks() -> None:
+    """Install the global module hooks that name the ops, once per process (at the first
+    step with ``names=``); outside such a step they return at once. They stay installed:
+    Dynamo guards a compiled module on the global hooks it traced, keys included, so hooks
+    registered anew for each step would recompile every compiled module every step."""
+    if not _installed_hooks:
+        _installed_hooks.append(nn_module.register_module_forward_pre_hook(_enter))
+        _installed_hooks.append(nn_module.register_module_forward_hook(_leave, always_call=True))
 
 
 def roots_of(names: Any) -> tuple[list[nn.Module], list[Any]]:

@@ -262,10 +262,11 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
     pipeline = (
         activation_names.microbatch_rows_of(stages, rows, microbatches) if stages else contextlib.nullcontext()
     )
+    activation_names.install_hooks()
     try:
         # Pipeline stages: rows only inside a microbatch (the schedule's shape inference
         # runs a forward outside any: it draws by name and changes nothing).
-        with namer.hooked(), pipeline, _rows_and_stream(rows, None if stages else rows) as s:
+        with pipeline, _rows_and_stream(rows, None if stages else rows) as s:
             yield s
     finally:
         reset_namer(namer_token)

@@ -9,8 +9,8 @@ the model. Those wrappers insert a path component (``_checkpoint_wrapped_module`
 by DCP's own rule (:func:`compile_rng._torch.torch_internals.checkpoint_name`). A wrapper
 that DCP does not strip changes the checkpoint's keys and the streams' names alike.
 
-A wrapper and the module it wraps get one name; the innermost module holds it (the wrapper
-itself runs no random op of the model).
+A wrapper and the module it wraps get one name (a call of the wrapper and the call of the
+module it makes are one call of that name).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from compile_rng._torch.torch_internals import checkpoint_module_name, checkpoin
 
 def module_names(root: nn.Module) -> dict[int, str]:
     """``id(module) -> name`` for the modules under ``root`` (alive while the caller holds
-    ``root``), wrappers left out: of the modules that share a name, the deepest holds it."""
-    deepest: dict[str, tuple[int, nn.Module]] = {}
-    for path, module in root.named_modules():
+    ``root``): a wrapper has the name of the module it wraps."""
+    names: dict[int, str] = {}
+    for path, module in reversed(list(root.named_modules())):  # a module's children first
         name = checkpoint_module_name(root, path)
         if name is None:  # DDP, OptimizedModule, FSDP1: named by the module they hold
-            continue
-        depth = path.count(".") + 1 if path else 0
-        if name not in deepest or depth > deepest[name][0]:
-            deepest[name] = (depth, module)
-    return {id(module): name for name, (_, module) in deepest.items()}
+            child = next(iter(module.children()), None)
+            name = names.get(id(child)) if child is not None else None
+        if name is not None:
+            names.setdefault(id(module), name)
+    return names
 
 
 class TensorNames:

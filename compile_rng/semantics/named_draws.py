@@ -20,7 +20,9 @@ from a stream named by where it sits in the model instead:
   position. One op may draw at most ``STEP_STRIDE`` counters per step.
 
 The naming itself (module hooks, the pipeline's microbatches) is eager code
-(:mod:`compile_rng.eager.activation_names`); this module is the rule both sides share.
+(:mod:`compile_rng.eager.activation_names`); a compiled graph's ops are named from the
+modules its frame runs them in (:mod:`compile_rng.compiled.named_keys`) by the same
+rule; this module is the rule both sides share.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ class Namer(Protocol):
 
     def position(self, op: object, advance: int, device: torch.device) -> tuple[int, int]:
         """``(seed, base)`` of ``op``'s draw of ``advance`` counters on ``device``."""
+        ...
+
+    def graph_positions(
+        self, graph: str, frame: object, sites: list, module_calls: dict, device: torch.device
+    ) -> list[tuple[int, int]]:
+        """``(seed, base)`` of each random op of compiled graph ``graph`` about to run from
+        ``frame`` (the ops' module sites and the graph's module calls: the pass's plan)."""
         ...
 
 

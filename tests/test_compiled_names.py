@@ -1,0 +1,222 @@
+"""Compiled graphs in a step with ``names=`` draw from the streams their modules name
+(``compile_rng.compiled.named_keys``): eager, compiled and mixed models draw one set of masks.
+
+* a small model of dropouts: per-module compile (``module.compile()``, also
+  ``fullgraph=True``), ``torch.compile(module)`` replacing a module, the whole model
+  compiled (slow), a module called twice, two forwards over the same rows - outputs and
+  input gradients bitwise equal to the eager model's, and different from a compiled model
+  drawing in the step's sequence (the comparison can fail); no recompile for another
+  microbatch or step;
+* (slow) the pipeline example's GPT, float64: per-block compile, with ``checkpoint_wrapper``
+  (torchtitan's full AC) inside or outside the compiled region and torch's selective AC
+  policy, keeps the eager model's loss and gradients (1e-9);
+* what the graph cannot name is refused with an error naming the fix.
+"""
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import compile_rng
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+
+import pipeline_parity as pp  # noqa: E402
+
+TOLERANCE = 1e-9
+BATCH = 8
+
+
+# one backend object for every compile: Dynamo recompiles a function compiled before by
+# another backend object
+BACKEND = compile_rng.backend(layout="invariant", batched=True)
+
+
+class Noise(nn.Module):
+    """Two draws in one module: ``dropout`` and ``rand_like``."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, self.training) + 0.25 * torch.rand_like(x)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Noise(), Noise()
+        self.scale = nn.Parameter(torch.ones(6, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.scale) + F.dropout(x, 0.25, self.training)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block() for i in range(2)})
+        self.shared = Noise()  # runs twice per forward
+
+    def forward(self, x):
+        for block in self.blocks.values():
+            x = self.shared(block(x))
+        return self.shared(x)
+
+
+def _compiled(how: str) -> Model:
+    model = Model()
+    if how == "blocks":
+        for block in model.blocks.values():
+            block.compile(backend=BACKEND)
+    elif how == "blocks fullgraph":
+        for block in model.blocks.values():
+            block.compile(backend=BACKEND, fullgraph=True)
+    elif how == "torch.compile(module)":  # the OptimizedModule replaces the module
+        for key in list(model.blocks):
+            model.blocks[key] = torch.compile(model.blocks[key], backend=BACKEND)
+    elif how == "whole model":
+        model.compile(backend=BACKEND)
+    return model
+
+
+def _run(model: nn.Module, forwards: int = 1, names: bool = True):
+    """Outputs and input gradients of ``forwards`` forwards over one batch in a step."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 3, 6, dtype=torch.float64, requires_grad=True)
+    outputs = []
+    with compile_rng.step(BATCH, names=model if names else None):
+        for _ in range(forwards):
+            out = model(x)
+            out.backward(torch.ones_like(out))
+            outputs.append(out.detach())
+    return outputs, x.grad
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return _run(Model(), forwards=2)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """``compiled(how)``: the model compiled ``how``, once for the module's tests."""
+    models = {}
+
+    def get(how: str) -> Model:
+        if how not in models:
+            models[how] = _compiled(how)
+        return models[how]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "how", ["blocks", "blocks fullgraph", "torch.compile(module)", pytest.param("whole model", marks=pytest.mark.slow)]
+)
+def test_compiled_modules_draw_the_eager_masks_bitwise(how, eager, compiled):
+    model = compiled(how)
+    outputs, grad = _run(model, forwards=2)
+    for got, want in zip(outputs, eager[0]):
+        assert torch.equal(got, want), how
+    assert torch.equal(grad, eager[1]), how  # dropout's backward regenerates the named mask
+    assert not torch.equal(outputs[0], outputs[1])  # a second forward draws new masks
+    # the same compiled graphs drawing in the step's sequence (no names=): other values
+    sequence, _ = _run(model, names=False)
+    assert not torch.equal(sequence[0], eager[0][0])
+
+
+def test_a_named_graph_is_compiled_once_for_every_microbatch_and_step(compiled):
+    model = compiled("blocks")
+    _run(model)  # compiled here unless an earlier test did
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for _ in range(2):  # steps of two microbatches of the first call's shape
+        torch.manual_seed(0)
+        x = torch.randn(2 * BATCH, 3, 6, dtype=torch.float64, requires_grad=True)
+        with compile_rng.step(2 * BATCH, names=model) as s:
+            for rows in x.tensor_split(2):
+                with s.microbatch(rows.shape[0]):
+                    model(rows).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_a_graph_without_row_keys_is_refused_in_a_named_step():
+    model = Model()
+    model.blocks["0"].compile(backend=compile_rng.backend(layout="invariant", inner="aot_eager"))
+    with pytest.raises(NotImplementedError, match="batched=True"):
+        _run(model)
+
+
+def test_a_compiled_function_outside_the_model_is_refused():
+    model = Model()
+    forward = model.blocks["0"].forward
+    model.blocks["0"].forward = torch.compile(lambda x: forward(x), backend=BACKEND)
+    with pytest.raises(RuntimeError, match="not the forward of a module of the model"):
+        _run(model)
+
+
+# --- the pipeline example's GPT ---------------------------------------------------------
+
+
+def _gpt_step(model: nn.Module, microbatches: int = 2):
+    """One step's loss and gradients (float64), gradients in parameter order."""
+    tokens, targets = pp.global_batches(pp.CONFIG, 1)[0]
+    torch.manual_seed(pp.SEED)
+    total = 0.0
+    with compile_rng.step(tokens.shape[0], names=model) as s:
+        for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
+            with s.microbatch(rows.shape[0]):
+                logits = model(rows)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
+                loss.backward()
+                total += loss.item()
+    return total, [p.grad for p in model.parameters()]
+
+
+def _selective_ac(model: nn.Module) -> None:
+    """torchtitan's selective AC: each block in ``checkpoint_wrapper`` with torch's
+    selective checkpoint policy (matmuls saved, the rest - dropout included - recomputed)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    blocks = model.blocks
+    for key in list(blocks):
+        blocks[key] = checkpoint_wrapper(
+            blocks[key], context_fn=functools.partial(create_selective_checkpoint_contexts, policy)
+        )
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    for block in pp.transformer_blocks(model):
+        block.compile(backend=BACKEND)
+
+
+STACKS = {  # torchtitan's order is AC, then per-block compile
+    "blocks compiled": [_compile_blocks],
+    "AC, then blocks compiled": [pp.checkpoint_blocks, _compile_blocks],
+    "blocks compiled, then AC": [_compile_blocks, pp.checkpoint_blocks],
+    "selective AC, then blocks compiled": [_selective_ac, _compile_blocks],
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_eager():
+    return _gpt_step(pp.whole_model("gpt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", STACKS)
+def test_compiled_gpt_blocks_keep_the_eager_loss_and_gradients(stack, gpt_eager):
+    model = pp.whole_model("gpt")
+    for apply in STACKS[stack]:
+        apply(model)
+    loss, grads = _gpt_step(model)
+    assert abs(loss - gpt_eager[0]) <= TOLERANCE * abs(gpt_eager[0]), stack
+    for got, want in zip(grads, gpt_eager[1]):
+        assert torch.allclose(got, want, rtol=TOLERANCE, atol=1e-12), stack
