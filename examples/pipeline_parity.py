@@ -171,7 +171,7 @@ def _block_dict(module: nn.Module) -> nn.ModuleDict:
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    return list(_block_dict(module).values())
+    return list(_block_dict(module).children())
 
 
 def checkpoint_blocks(module: nn.Module) -> None:
@@ -180,8 +180,8 @@ def checkpoint_blocks(module: nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = _block_dict(module)
-    for key in list(blocks):
-        blocks[key] = checkpoint_wrapper(blocks[key])
+    for key, block in list(blocks.named_children()):  # a ModuleDict (stages) or ModuleList (whole)
+        setattr(blocks, key, checkpoint_wrapper(block))
 
 
 @functools.cache

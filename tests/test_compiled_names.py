@@ -10,9 +10,12 @@
 * (slow) the pipeline example's GPT, float64: per-block compile, with ``checkpoint_wrapper``
   (torchtitan's full AC) inside or outside the compiled region and torch's selective AC
   policy, keeps the eager model's loss and gradients (1e-9);
+* a checkpointed, compiled attention without dropout (torchtitan's models: torch wraps
+  SDPA in ``run_with_rng_state``) runs in a named step and equals eager;
 * what the graph cannot name is refused with an error naming the fix.
 """
 
+import copy
 import functools
 import sys
 from pathlib import Path
@@ -220,3 +223,28 @@ def test_compiled_gpt_blocks_keep_the_eager_loss_and_gradients(stack, gpt_eager)
     assert abs(loss - gpt_eager[0]) <= TOLERANCE * abs(gpt_eager[0]), stack
     for got, want in zip(grads, gpt_eager[1]):
         assert torch.allclose(got, want, rtol=TOLERANCE, atol=1e-12), stack
+
+
+class Attention(nn.Module):
+    """Attention without dropout (torchtitan's models): SDPA is random-tagged, so torch's
+    activation checkpointing wraps it in ``run_with_rng_state`` in the compiled region."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(6, 18, dtype=torch.float64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 3)).permute(2, 0, 3, 1, 4).unbind(0)  # [batch, head, token, dim]
+        return x + F.scaled_dot_product_attention(q, k, v, dropout_p=0.0).transpose(1, 2).flatten(-2)
+
+
+def test_checkpointed_compiled_attention_without_dropout_runs_in_a_named_step():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(Attention(), Noise())
+    wrapped = copy.deepcopy(eager)
+    wrapped[0] = checkpoint_wrapper(wrapped[0])
+    wrapped[0].compile(backend=BACKEND)
+    (want, _), (got, _) = _run(eager), _run(wrapped)
+    assert torch.equal(got[0], want[0])

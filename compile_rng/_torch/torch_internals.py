@@ -74,6 +74,8 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "compiled_frame",
     "is_resume_frame",
     "in_backward",
+    "higher_order_op_name",
+    "is_run_with_rng_state",
     "disable_dynamo",
     "distribute_region",
     "graph_compile_id",
@@ -723,3 +725,17 @@ def in_backward() -> bool:
     checkpointing recomputes forwards there). ``torch._C._current_graph_task_id`` is -1
     outside one (private, no public form; 2.13.0, 2.15.0)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def higher_order_op_name(func: Any) -> str | None:
+    """The name of a higher-order operator (``torch._ops.HigherOrderOperator``, private;
+    2.13.0, 2.15.0), None for anything else."""
+    return func.name() if isinstance(func, torch._ops.HigherOrderOperator) else None
+
+
+def is_run_with_rng_state(func: Any) -> bool:
+    """Whether ``func`` is ``run_with_rng_state(rng_state, op, *args)``: the HOP with which
+    AOTAutograd's partitioner wraps a random-tagged op of a checkpointed region, so that
+    its recomputation replays torch's generator state (``torch._prims.rng_prims``, private;
+    2.13.0, 2.15.0)."""
+    return higher_order_op_name(func) == "run_with_rng_state"

@@ -27,6 +27,8 @@ from compile_rng._torch.torch_internals import (
     current_dispatch_mode,
     detect_fake_mode,
     get_proxy_mode,
+    higher_order_op_name,
+    is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
 )
 from compile_rng.semantics import local_values
@@ -159,12 +161,19 @@ class RandomOpMode(TorchDispatchMode):
     region then applies the sharded layout.
     """
 
+    # Higher-order operators reach __torch_dispatch__ too: torch's activation checkpointing
+    # wraps each random-tagged op of a compiled region in run_with_rng_state (SDPA with
+    # dropout_p=0 included), which must meet the rules below, not torch's "no rule" error.
+    supports_higher_order_operators = True
+
     def __init__(self, counters, plain_only: bool = False):
         super().__init__()
         self.counters, self.plain_only = counters, plain_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if higher_order_op_name(func) is not None:
+            return _higher_order_op(self, func, args, kwargs)
         functional = INPLACE.get(func, func)
         if self.plain_only and any(t is not torch.Tensor for t in types):
             return func(*args, **kwargs)
@@ -195,6 +204,27 @@ class RandomOpMode(TorchDispatchMode):
         if log is not None:
             log.append(Counters(key, offset, tuple(strides), tuple(size)))
         return _draw(func, kw, key, offset, strides, size, dtype)
+
+
+def _higher_order_op(mode: RandomOpMode, func, args: tuple, kwargs: dict):
+    """``run_with_rng_state(rng_state, op, *op_args)``: ``op`` as the mode runs it, when
+    ``op`` draws nothing (torch's generator state is then irrelevant). An op that draws
+    would be replayed from torch's generator in the recomputation, outside any stream;
+    it and every other higher-order op are refused."""
+    if is_run_with_rng_state(func):
+        _, op, *op_args = args
+        if not (is_random(op) and draws(op, normalized_arguments(op, tuple(op_args), kwargs))):
+            return mode.__torch_dispatch__(op, [], tuple(op_args), kwargs)
+        raise NotImplementedError(
+            f"compile_rng: {op} draws inside run_with_rng_state: a graph compiled by another backend "
+            "(stock Inductor) checkpoints a random op and replays torch's generator for it. Compile the "
+            "region with compile_rng.backend(...), whose graphs draw from the stream in both passes"
+        )
+    raise NotImplementedError(
+        f"compile_rng: the higher-order op {higher_order_op_name(func)} ran eagerly under compile_rng's "
+        "random-op mode, which cannot see the random ops inside it. Compile the code that calls it "
+        "(torch.compile with compile_rng.backend(...)), or run it outside the step"
+    )
 
 
 def _draw(func: OpOverload, kw: dict, key, offset, strides, size: list, dtype: torch.dtype):
