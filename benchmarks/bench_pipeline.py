@@ -1,21 +1,27 @@
-"""Step time of a 2-stage pipeline (examples/pipeline_parity.py's GPT, 1F1B, eager
-stages, 2 gloo ranks) and the per-op cost of naming a random op's stream.
+"""Step time of a 2-stage pipeline (examples/pipeline_parity.py's GPT, 1F1B, 2 gloo
+ranks), eager and with compiled blocks, and the per-op cost of naming a random op's stream.
 
 Modes, measured in one run on the same ranks:
 
-* ``names``   - ``compile_rng.step(local_batch, names=stages, microbatches=n)``: every
-  random op on its named stream (the single process's masks);
+* ``names``   - eager stages in ``compile_rng.step(local_batch, names=stages,
+  microbatches=n)``: every random op on its named stream (the single process's masks);
 * ``tracker`` - compile_rng installed, no step: the stages' eager ops draw from torch's
   generator in schedule order (what compile_rng gives a pipeline without ``names=``);
-* ``stock``   - compile_rng uninstalled.
+* ``stock``   - compile_rng uninstalled, eager stages;
+* ``names+compile`` - torchtitan's recipe (every block in ``checkpoint_wrapper``, then
+  ``block.compile(fullgraph=True)`` with ``compile_rng.backend(layout="invariant",
+  batched=True)``) in the named step;
+* ``stock+compile`` - compile_rng uninstalled, the same blocks compiled by stock Inductor.
 
-Prints the median step time of each and its ratio to ``stock``. Then, in this process,
+Prints the median step time of each and its ratio to the stock run of its kind (eager or
+compiled); the compiled modes' first steps (the compiles) are not timed. Then, in this process,
 the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
 seed from its cache) against ``state.advance`` (the step's sequence), and the uncached
 SHA-256 of a name (paid once per name and run seed), next to the time one dropout of
 ``--elements`` elements takes: the key is computed per op, not per element.
 
-Run: ``python benchmarks/bench_pipeline.py [--steps 8] [--dim 256] [--elements 1048576]``.
+Run: ``python benchmarks/bench_pipeline.py [--steps 8] [--dim 256] [--elements 1048576]
+[--modes names stock ...]`` (a mode's baseline always runs).
 """
 
 from __future__ import annotations
@@ -37,7 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import compile_rng  # noqa: E402
 from compile_rng.launch import spawn  # noqa: E402
 
-MODES = ("names", "tracker", "stock")
+MODES = ("names", "tracker", "stock", "names+compile", "stock+compile")
+
+
+def _baseline(mode: str) -> str:
+    return "stock+compile" if mode.endswith("+compile") else "stock"
 
 
 def _time_steps(mode: str, steps: int, dim: int, microbatches: int) -> list[float]:
@@ -46,31 +56,33 @@ def _time_steps(mode: str, steps: int, dim: int, microbatches: int) -> list[floa
     import pipeline_parity as pp
 
     pp.CONFIG = dataclasses.replace(pp.CONFIG, dim=dim, seq=64, batch=16)
-    if mode == "stock":
+    stock, compiled = mode.startswith("stock"), mode.endswith("+compile")
+    if stock:
         compile_rng.uninstall()
     else:
         compile_rng.install()
     try:
-        pipe = pp.Pipeline("gpt", "1F1B", "PP=2", microbatches)
+        pipe = pp.Pipeline("gpt", "1F1B", "PP=2+AC+compile" if compiled else "PP=2", microbatches,
+                           backend="inductor" if stock and compiled else None)
         opt = torch.optim.AdamW(pipe.parameters(), lr=pp.CONFIG.lr)
         torch.manual_seed(pp.SEED)
         times = []
         for tokens, targets in pp.global_batches(pp.CONFIG, steps + 2):
             torch.distributed.barrier()
             start = time.perf_counter()
-            pipe.step(tokens, targets, named=mode == "names")
+            pipe.step(tokens, targets, named=mode.startswith("names"))
             opt.step()
             opt.zero_grad()
             torch.distributed.barrier()
             times.append(time.perf_counter() - start)
-        return times[2:]  # the first steps infer the stages' shapes
+        return times[2:]  # the first steps infer the stages' shapes (and compile)
     finally:
         compile_rng.install()
 
 
-def _body(rank: int, world: int, steps: int, dim: int, microbatches: int, out: str) -> None:
+def _body(rank: int, world: int, modes: list, steps: int, dim: int, microbatches: int, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on a two-core machine
-    results = {mode: _time_steps(mode, steps, dim, microbatches) for mode in MODES}
+    results = {mode: _time_steps(mode, steps, dim, microbatches) for mode in modes}
     if rank == 0:
         torch.save(results, out)
 
@@ -110,18 +122,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--elements", type=int, default=1 << 20)
+    parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
+    wanted = set(args.modes) | {_baseline(m) for m in args.modes}
+    modes = [m for m in MODES if m in wanted]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        spawn(_body, 2, args.steps, args.dim, args.microbatches, out)
+        spawn(_body, 2, modes, args.steps, args.dim, args.microbatches, out)
         results = torch.load(out)
-    stock = statistics.median(results["stock"])
-    print(f"2-stage 1F1B pipeline, GPT dim {args.dim}, {args.microbatches} microbatches, eager stages, "
+    print(f"2-stage 1F1B pipeline, GPT dim {args.dim}, {args.microbatches} microbatches, "
           f"median of {args.steps} steps:")
-    print(f"{'mode':10} {'s/step':>9} {'x stock':>8}")
-    for mode in MODES:
+    print(f"{'mode':14} {'s/step':>9} {'x stock':>8}  (its kind's stock run)")
+    for mode in modes:
         median = statistics.median(results[mode])
-        print(f"{mode:10} {median:9.4f} {median / stock:8.2f}")
+        print(f"{mode:14} {median:9.4f} {median / statistics.median(results[_baseline(mode)]):8.2f}")
     print()
     costs = naming_cost(args.elements)
     print(f"{'per op':34} {'us':>9}")

@@ -35,6 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -191,11 +192,12 @@ def block_backend():
     return compile_rng.backend(layout="invariant", batched=True)
 
 
-def compile_blocks(module: nn.Module) -> None:
+def compile_blocks(module: nn.Module, backend: Any = None) -> None:
     """torchtitan's per-block compile: ``block.compile(fullgraph=True)`` on every
-    TransformerBlock, in place (the name keeps no ``_orig_mod``)."""
+    TransformerBlock, in place (the name keeps no ``_orig_mod``); ``backend``: another
+    than compile_rng's (``"inductor"``: stock torch, for benchmarks)."""
     for block in transformer_blocks(module):
-        block.compile(backend=block_backend(), fullgraph=True)
+        block.compile(backend=backend or block_backend(), fullgraph=True)
 
 
 # --- parallelisms ----------------------------------------------------------------------
@@ -253,7 +255,7 @@ def _schedule(name: str, stages: list, microbatches: int):
 class Pipeline:
     """This rank's stages of one (family, schedule, composition) job."""
 
-    def __init__(self, family: str, schedule: str, composition: str, microbatches: int):
+    def __init__(self, family: str, schedule: str, composition: str, microbatches: int, backend: Any = None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage
 
@@ -274,7 +276,7 @@ class Pipeline:
             if how.ac:
                 checkpoint_blocks(module)
             if how.compiled:
-                compile_blocks(module)
+                compile_blocks(module, backend)
             if how.dp > 1:
                 from torch.distributed.fsdp import fully_shard
 

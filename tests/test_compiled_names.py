@@ -2,7 +2,8 @@
 (``compile_rng.compiled.named_keys``): eager, compiled and mixed models draw one set of masks.
 
 * a small model of dropouts: per-module compile (``module.compile()``, also
-  ``fullgraph=True``), ``torch.compile(module)`` replacing a module, the whole model
+  ``fullgraph=True``, and with a graph break inside the module), ``torch.compile(module)``
+  replacing a module, the whole model
   compiled (slow), a module called twice, two forwards over the same rows - outputs and
   input gradients bitwise equal to the eager model's, and different from a compiled model
   drawing in the step's sequence (the comparison can fail); no recompile for another
@@ -57,10 +58,20 @@ class Block(nn.Module):
         return self.b(self.a(x) * self.scale) + F.dropout(x, 0.25, self.training)
 
 
+class BreakingBlock(Block):
+    """``Block`` with a graph break between its modules: Dynamo compiles two graphs, the
+    second in a resume function of the same call."""
+
+    def forward(self, x):
+        y = self.a(x) * self.scale
+        torch._dynamo.graph_break()
+        return self.b(y) + F.dropout(x, 0.25, self.training)
+
+
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, block=Block):
         super().__init__()
-        self.blocks = nn.ModuleDict({str(i): Block() for i in range(2)})
+        self.blocks = nn.ModuleDict({str(i): block() for i in range(2)})
         self.shared = Noise()  # runs twice per forward
 
     def forward(self, x):
@@ -70,8 +81,8 @@ class Model(nn.Module):
 
 
 def _compiled(how: str) -> Model:
-    model = Model()
-    if how == "blocks":
+    model = Model(BreakingBlock if how == "blocks with a graph break" else Block)
+    if how in ("blocks", "blocks with a graph break"):
         for block in model.blocks.values():
             block.compile(backend=BACKEND)
     elif how == "blocks fullgraph":
@@ -117,7 +128,9 @@ def compiled():
 
 
 @pytest.mark.parametrize(
-    "how", ["blocks", "blocks fullgraph", "torch.compile(module)", pytest.param("whole model", marks=pytest.mark.slow)]
+    "how",
+    ["blocks", "blocks fullgraph", "torch.compile(module)", "blocks with a graph break",
+     pytest.param("whole model", marks=pytest.mark.slow)],
 )
 def test_compiled_modules_draw_the_eager_masks_bitwise(how, eager, compiled):
     model = compiled(how)
