@@ -333,6 +333,20 @@ def capture_dropped(module: nn.Module, block: str, into: list) -> None:
 # --- training --------------------------------------------------------------------------
 
 
+def single_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, microbatches: int = 1) -> float:
+    """One step's forward and backward of the unsplit model on one process, in
+    ``compile_rng.step(names=model)``, gradients accumulated over ``microbatches``; the loss."""
+    total = torch.zeros((), dtype=torch.float64)
+    with compile_rng.step(tokens.shape[0], names=model) as s:
+        for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
+            with s.microbatch(rows.shape[0]):
+                logits = model(rows)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
+                loss.backward()
+            total += loss.detach()
+    return total.item()
+
+
 def train_single(family: str, steps: int, microbatches: int = 1) -> list[float]:
     """The unsplit model on one process: per-step loss (gradient accumulation over
     ``microbatches``)."""
@@ -341,17 +355,9 @@ def train_single(family: str, steps: int, microbatches: int = 1) -> list[float]:
     torch.manual_seed(SEED)
     losses = []
     for tokens, targets in global_batches(CONFIG, steps):
-        total = torch.zeros((), dtype=torch.float64)
-        with compile_rng.step(tokens.shape[0], names=model) as s:
-            for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
-                with s.microbatch(rows.shape[0]):
-                    logits = model(rows)
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
-                    loss.backward()
-                total += loss.detach()
+        losses.append(single_step(model, tokens, targets, microbatches))
         opt.step()
         opt.zero_grad()
-        losses.append(total.item())
     return losses
 
 

@@ -177,19 +177,11 @@ def test_a_compiled_function_outside_the_model_is_refused():
 # --- the pipeline example's GPT ---------------------------------------------------------
 
 
-def _gpt_step(model: nn.Module, microbatches: int = 2):
-    """One step's loss and gradients (float64), gradients in parameter order."""
+def _gpt_step(model: nn.Module):
+    """One step's loss and gradients (float64, 2 microbatches), gradients in parameter order."""
     tokens, targets = pp.global_batches(pp.CONFIG, 1)[0]
     torch.manual_seed(pp.SEED)
-    total = 0.0
-    with compile_rng.step(tokens.shape[0], names=model) as s:
-        for rows, labels in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches)):
-            with s.microbatch(rows.shape[0]):
-                logits = model(rows)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / microbatches
-                loss.backward()
-                total += loss.item()
-    return total, [p.grad for p in model.parameters()]
+    return pp.single_step(model, tokens, targets, microbatches=2), [p.grad for p in model.parameters()]
 
 
 def _selective_ac(model: nn.Module) -> None:
