@@ -11,6 +11,8 @@ Modes, measured in one run on the same ranks:
 * ``names+compile`` - torchtitan's recipe (every block in ``checkpoint_wrapper``, then
   ``block.compile(fullgraph=True)`` with ``compile_rng.backend(layout="invariant",
   batched=True)``) in the named step;
+* ``sequence+compile`` - the same compiled blocks in a step without ``names=`` (the
+  step's sequence): against ``names+compile``, the cost of naming compiled draws;
 * ``stock+compile`` - compile_rng uninstalled, the same blocks compiled by stock Inductor.
 
 Prints the median step time of each and its ratio to the stock run of its kind (eager or
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import compile_rng  # noqa: E402
 from compile_rng.launch import spawn  # noqa: E402
 
-MODES = ("names", "tracker", "stock", "names+compile", "stock+compile")
+MODES = ("names", "tracker", "stock", "names+compile", "sequence+compile", "stock+compile")
 
 
 def _baseline(mode: str) -> str:
@@ -70,7 +72,7 @@ def _time_steps(mode: str, steps: int, dim: int, microbatches: int) -> list[floa
         for tokens, targets in pp.global_batches(pp.CONFIG, steps + 2):
             torch.distributed.barrier()
             start = time.perf_counter()
-            pipe.step(tokens, targets, named=mode.startswith("names"))
+            pipe.step(tokens, targets, rule=mode.split("+")[0] if mode.split("+")[0] in ("names", "sequence") else "torch")
             opt.step()
             opt.zero_grad()
             torch.distributed.barrier()

@@ -90,6 +90,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "get_proxy_mode",
     "graph_break",
     "inductor_cache_dir",
+    "inductor_caches_enabled",
     "inductor_compile",
     "inductor_decompositions",
     "inductor_vector_isa",
@@ -265,6 +266,14 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def inductor_caches_enabled() -> bool:
+    """Whether Inductor files and looks up its FX-graph artifacts in this process
+    (``fx_graph_cache`` on, ``force_disable_caches`` off)."""
+    from torch._inductor import config
+
+    return bool(config.fx_graph_cache) and not config.force_disable_caches
 
 
 def register_device_mesh_ops() -> None:

@@ -24,6 +24,7 @@ from torch import fx
 from compile_rng._torch import torch_internals
 from compile_rng.compiled import local_shards
 from compile_rng.compiled.inner_compilers import INNERS, compile_inner
+from compile_rng.compiled.job_compile import compiling_once
 from compile_rng.compiled.key_input import graph_device, key_table_rows, with_key_input
 from compile_rng.compiled.runtime import CompiledGraph
 from compile_rng.debug.dumps import dumping, write_plan
@@ -99,7 +100,9 @@ class Backend:
         # pass runs for them (a filed plan has neither meshes nor this compile's dump)
         plan_from_cache = not (check or self.config.collect_unsupported or dumping())
         start = time.perf_counter()
-        with tracker.tracing_for_backend(self.config.layout), dispatch_modes.graph_call():
+        with compiling_once(keyed_gm, inputs, self.config.inner), tracker.tracing_for_backend(
+            self.config.layout
+        ), dispatch_modes.graph_call():
             compiled = compile_inner(
                 self.config.inner, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
             )
