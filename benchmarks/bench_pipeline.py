@@ -11,8 +11,6 @@ Modes, measured in one run on the same ranks:
 * ``names+compile`` - torchtitan's recipe (every block in ``checkpoint_wrapper``, then
   ``block.compile(fullgraph=True)`` with ``compile_rng.backend(layout="invariant",
   batched=True)``) in the named step;
-* ``sequence+compile`` - the same compiled blocks in a step without ``names=`` (the
-  step's sequence): against ``names+compile``, the cost of naming compiled draws;
 * ``stock+compile`` - compile_rng uninstalled, the same blocks compiled by stock Inductor.
 
 Prints the median step time of each and its ratio to the stock run of its kind (eager or
@@ -20,7 +18,9 @@ compiled); the compiled modes' first steps (the compiles) are not timed. Then, i
 the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
 seed from its cache) against ``state.advance`` (the step's sequence), and the uncached
 SHA-256 of a name (paid once per name and run seed), next to the time one dropout of
-``--elements`` elements takes: the key is computed per op, not per element.
+``--elements`` elements takes: the key is computed per op, not per element; and, with the
+compiled modes, the step time of compiled blocks with ``names=`` against the same step
+without (the cost of a compiled graph's key table).
 
 Run: ``python benchmarks/bench_pipeline.py [--steps 8] [--dim 256] [--elements 1048576]
 [--modes names stock ...]`` (a mode's baseline always runs).
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import compile_rng  # noqa: E402
 from compile_rng.launch import spawn  # noqa: E402
 
-MODES = ("names", "tracker", "stock", "names+compile", "sequence+compile", "stock+compile")
+MODES = ("names", "tracker", "stock", "names+compile", "stock+compile")
 
 
 def _baseline(mode: str) -> str:
@@ -72,7 +72,7 @@ def _time_steps(mode: str, steps: int, dim: int, microbatches: int) -> list[floa
         for tokens, targets in pp.global_batches(pp.CONFIG, steps + 2):
             torch.distributed.barrier()
             start = time.perf_counter()
-            pipe.step(tokens, targets, rule=mode.split("+")[0] if mode.split("+")[0] in ("names", "sequence") else "torch")
+            pipe.step(tokens, targets, named=mode.startswith("names"))
             opt.step()
             opt.zero_grad()
             torch.distributed.barrier()
@@ -118,6 +118,43 @@ def naming_cost(elements: int) -> dict[str, float]:
             "hash a new name (once per name)": hashing, f"dropout of {elements} elements": statistics.median(dropout)}
 
 
+def compiled_naming_cost(blocks: int = 8, steps: int = 30) -> dict[str, float]:
+    """Seconds per step of ``blocks`` compiled dropout blocks (forward and backward, one
+    process) in a step with ``names=`` against the same step without: what naming a
+    compiled graph's draws costs per call (its key table: names resolved, seeds looked up)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x + F.dropout(self.linear(x), 0.1, self.training)
+
+    model = nn.Sequential(*(Block() for _ in range(blocks)))
+    backend = compile_rng.backend(layout="invariant", batched=True)
+    for block in model:
+        block.compile(backend=backend)
+    x = torch.randn(16, 64)
+
+    def step(named: bool) -> float:
+        start = time.perf_counter()
+        with compile_rng.step(16, names=model if named else None):
+            model(x).sum().backward()
+        return time.perf_counter() - start
+
+    for named in (True, False):  # compile, then warm
+        step(named)
+    times = {True: [], False: []}
+    for _ in range(steps):  # interleaved: drift in the machine's speed hits both alike
+        for named in (True, False):
+            times[named].append(step(named))
+    return {f"{blocks} compiled blocks, names=": statistics.median(times[True]),
+            f"{blocks} compiled blocks, no names": statistics.median(times[False])}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -143,6 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'per op':34} {'us':>9}")
     for what, seconds in costs.items():
         print(f"{what:34} {seconds * 1e6:9.2f}")
+    if not any(m.endswith("+compile") for m in modes):
+        return
+    print()
+    steps = compiled_naming_cost()
+    (named, named_s), (plain, plain_s) = steps.items()
+    print(f"{'per step (one process)':34} {'ms':>9}")
+    print(f"{named:34} {named_s * 1e3:9.3f}  {named_s / plain_s:.3f}x")
+    print(f"{plain:34} {plain_s * 1e3:9.3f}")
 
 
 if __name__ == "__main__":

@@ -292,15 +292,13 @@ class Pipeline:
     def parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, rule: str = "names") -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, named: bool = True) -> torch.Tensor:
         """One step on this rank's rows; returns the step's mean loss on the last stage's
-        ranks (zero elsewhere). ``rule``: ``"names"`` (a step with ``names=``), ``"sequence"``
-        (a step without: draws in schedule order) or ``"torch"`` (no step: torch's own
-        generator, as without compile_rng)."""
+        ranks (zero elsewhere). ``named=False``: torch's own generator, as without compile_rng."""
         losses: list[torch.Tensor] = []
-        step = compile_rng.step(tokens.shape[0], data_parallel=self.dp_mesh, microbatches=self.microbatches,
-                                names=self.stages if rule == "names" else None)
-        with step if rule != "torch" else contextlib.nullcontext():
+        step = compile_rng.step(tokens.shape[0], data_parallel=self.dp_mesh, names=self.stages,
+                                microbatches=self.microbatches)
+        with step if named else contextlib.nullcontext():
             self.schedule.step(tokens, target=targets, losses=losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64)
@@ -379,7 +377,7 @@ def train_pipeline(
     losses = []
     for tokens, targets in global_batches(CONFIG, steps):
         tokens, targets = tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord]
-        total = pipe.step(tokens, targets, "names" if named else "torch")
+        total = pipe.step(tokens, targets, named)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total)  # the last stage's ranks hold the loss of their rows

@@ -176,4 +176,6 @@ def test_bench_pipeline_smoke():
 @pytest.mark.slow
 def test_bench_pipeline_compiled_smoke():
     expected = ["stock", "names+compile", "stock+compile"]  # the baseline runs with its mode
-    assert _printed_modes(_bench_pipeline("names+compile", "stock"), expected) == expected
+    out = _bench_pipeline("names+compile", "stock")
+    assert _printed_modes(out, expected) == expected
+    assert "compiled blocks, names=" in out

@@ -126,6 +126,20 @@ def test_module_names_keep_the_innermost_module(one_rank_group):
     assert type(held["layers.0"]).__name__ == "Block"  # not its CheckpointWrapper or OptimizedModule
 
 
+def test_module_names_follow_a_model_wrapped_after_they_were_computed():
+    """The names are kept per root between steps: wrapping a block in place afterwards
+    (a new module at its path) is seen, and the wrapper gets the block's name."""
+    model = Model()
+    before = model_names.module_names(model)
+    assert model_names.module_names(model) is before  # unchanged: kept
+    block = model.layers["0"]
+    apply_activation_checkpointing(model, check_fn=lambda m: m is block)
+    after = model_names.module_names(model)
+    wrapper = model.layers["0"]
+    assert type(wrapper).__name__ == "CheckpointWrapper" and id(wrapper) not in before
+    assert after[id(wrapper)] == "layers.0" == after[id(wrapper._checkpoint_wrapped_module)]
+
+
 # --- activations: step(names=...) --------------------------------------------------------
 
 

@@ -59,8 +59,7 @@ class KeyTable:
         positions = namer.graph_positions(
             self.plan.name, frame, [op.module for op in self.plan.ops], self.plan.module_calls, self.device
         )
-        values = [0] * (2 * self.plan.key_table_rows)
+        table = [[0, 0] for _ in range(self.plan.key_table_rows)]
         for j, ((seed, base), offset) in enumerate(zip(positions, self.offsets)):
-            values[2 * j] = as_int64(seed)
-            values[2 * j + 1] = as_int64((base - offset(args, batch)) % UINT64)
-        return torch.tensor(values, dtype=torch.int64, device=self.device).view(-1, 2)
+            table[j] = [as_int64(seed), as_int64((base - offset(args, batch)) % UINT64)]
+        return torch.tensor(table, dtype=torch.int64, device=self.device)
