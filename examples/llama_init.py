@@ -9,7 +9,7 @@ full weights and compares them with the single-device ones, bitwise:
 * ``tracker``: eager DTensor semantics - sharded weights differ from single-device;
 * ``invariant``: every element's counter is its global index - identical everywhere
   except across pipeline stages (a stage does not know the earlier stages' counters);
-* ``invariant + key=fqn``: every parameter's stream is derived from its name -
+* ``invariant, streams=fqn``: every parameter's stream is derived from its name -
   identical everywhere, pipeline stages included, with no seed checkpoint.
 
 Run: ``python examples/llama_init.py`` (or ``torchrun --nproc-per-node 4 examples/llama_init.py``)
@@ -157,7 +157,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
     variants = {
         "tracker": compile_rng.init(init_weights, layout="tracker"),
         "invariant": compile_rng.init(init_weights, layout="invariant"),
-        "invariant + key=fqn": compile_rng.init(init_weights, layout="invariant", streams="fqn"),
+        "invariant, streams=fqn": compile_rng.init(init_weights, layout="invariant", streams="fqn"),
     }
     table, timings = {}, {}
     for variant, init in variants.items():
@@ -219,11 +219,11 @@ def main() -> None:
     print(f"Llama-style model, {results['params']:,} parameters, {WORLD} gloo ranks; "
           "full weights vs single-device init, bitwise:")
     print(f"  {'mode':<22}" + "".join(f"{c:>16}" for c in configs.values()))
-    for variant in ("tracker", "invariant", "invariant + key=fqn"):
+    for variant in ("tracker", "invariant", "invariant, streams=fqn"):
         cells = ["identical" if results["table"][(variant, c)] else "differs" for c in configs]
         print(f"  {variant:<22}" + "".join(f"{c:>16}" for c in cells))
     print("  single-device init time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in results["timings"].items()))
-    ok = all(results["table"][("invariant + key=fqn", c)] for c in configs) and all(
+    ok = all(results["table"][("invariant, streams=fqn", c)] for c in configs) and all(
         results["table"][("invariant", c)] for c in ("tp", "fsdp", "fsdp_tp")
     )
     raise SystemExit(0 if ok else 1)

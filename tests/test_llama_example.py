@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
 import llama_init  # noqa: E402
 
-VARIANTS = ("tracker", "invariant", "invariant + key=fqn")
+VARIANTS = ("tracker", "invariant", "invariant, streams=fqn")
 CONFIGS = ("tp", "fsdp", "fsdp_tp", "pp")
 SMALL = ["--dim", "32", "--hidden", "96", "--vocab", "64"]
 
@@ -18,7 +18,7 @@ SMALL = ["--dim", "32", "--hidden", "96", "--vocab", "64"]
 #: when the gathered full weights equal the single-device init bitwise.
 PROMISED = {
     # every parameter's stream derives from its name: identical everywhere, PP included
-    **{("invariant + key=fqn", c): True for c in CONFIGS},
+    **{("invariant, streams=fqn", c): True for c in CONFIGS},
     # counters are global indices: identical for any mesh and placement ...
     **{("invariant", c): True for c in ("tp", "fsdp", "fsdp_tp")},
     # ... but program order cannot know the other pipeline stage's counters
@@ -59,7 +59,7 @@ def test_check_rejects_broken_tables():
     check({"table": good, "params": params}, args)
     broken = [
         {k: v for k, v in good.items() if k != ("invariant", "fsdp")},  # a config not run
-        {**good, ("invariant + key=fqn", "pp"): False},  # a stage differs under key=fqn
+        {**good, ("invariant, streams=fqn", "pp"): False},  # a stage differs under key=fqn
         {**good, ("invariant", "pp"): True},  # pipeline stages cannot agree in program order
         {**good, ("tracker", "tp"): True},  # tracker shards equal to single device: not sharded
     ]

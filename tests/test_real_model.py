@@ -73,9 +73,9 @@ def hf_init(model: nn.Module) -> None:
 MODES = {
     "tracker": compile_rng.init(layout="tracker", compile=False, seed=SEED)(hf_init),
     "invariant": compile_rng.init(layout="invariant", compile=False, seed=SEED)(hf_init),
-    "invariant + key=fqn": compile_rng.init(layout="invariant", streams="fqn", seed=SEED)(hf_init),
+    "invariant, streams=fqn": compile_rng.init(layout="invariant", streams="fqn", seed=SEED)(hf_init),
 }
-init = MODES["invariant + key=fqn"]
+init = MODES["invariant, streams=fqn"]
 
 
 def full_values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -137,7 +137,7 @@ def test_hf_llama_init_table_configuration_by_mode(tmp_path):
     table = json.loads((tmp_path / "table.json").read_text())
     print("\n".join(f"{k}: {v}" for k, v in table.items()))
     for config in ("tp", "fsdp", "pp"):
-        assert table[f"invariant + key=fqn | {config}"] == "identical", config
+        assert table[f"invariant, streams=fqn | {config}"] == "identical", config
     assert table["invariant | tp"] == table["invariant | fsdp"] == "identical"
     assert table["invariant | pp"] == "differs"  # program order cannot know the other stage's counters
     assert table["tracker | tp"] == "differs"  # eager DTensor semantics: shards follow the layout
