@@ -99,14 +99,13 @@ class Backend:
         # verify needs the ops' meshes, explain and dumps the pass's own record: the
         # pass runs for them (a filed plan has neither meshes nor this compile's dump)
         plan_from_cache = not (check or self.config.collect_unsupported or dumping())
-        start = time.perf_counter()
-        with compiling_once(keyed_gm, inputs, self.config.inner), tracker.tracing_for_backend(
-            self.config.layout
-        ), dispatch_modes.graph_call():
-            compiled = compile_inner(
-                self.config.inner, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
-            )
-        plan.compile_seconds = time.perf_counter() - start
+        with compiling_once(keyed_gm, inputs, self.config.inner):
+            start = time.perf_counter()  # after waiting for another rank's compile: this one's time
+            with tracker.tracing_for_backend(self.config.layout), dispatch_modes.graph_call():
+                compiled = compile_inner(
+                    self.config.inner, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
+                )
+            plan.compile_seconds = time.perf_counter() - start
         self.plans.append(plan)
         write_plan(plan)
         graph = CompiledGraph(compiled, plan, placeholders, device, check, self.config.verify, output_layouts)
