@@ -19,6 +19,10 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
   stream named by its module in the model, so pipeline stages draw the single
   process's masks (:mod:`compile_rng.semantics.named_draws`); :func:`run_seed` declares
   the seed of named streams once, for ranks seeded apart (``seed + pp_rank``).
+* :class:`TrainerMixin` - ``class Trainer(compile_rng.TrainerMixin, transformers.Trainer)``:
+  every optimizer step of the Hugging Face Trainer in a :func:`step`, its gradient
+  accumulation as the step's microbatches, at the rows accelerate's loader dealt;
+  :func:`accelerate_batches` - the same for a plain ``accelerate`` loop.
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(layout="invariant")`` on a
   weight-initialization function (``streams="fqn"``: one stream per parameter name);
   :func:`layout` - the counter layout of eager DTensor ops (:func:`mode`: its deprecated
@@ -55,6 +59,8 @@ _mount_source_passes()
 # `import torch` on top of it (no Dynamo, Inductor or depyf until they are needed).
 _PUBLIC = {
     "StreamState": ".stream.checkpointing",
+    "TrainerMixin": ".integrations.hf_trainer",
+    "accelerate_batches": ".integrations.accelerate_loop",
     "backend": ".compiled.backend",
     "compile": ".compiled.compiling",
     "dump": ".debug.dumps",

@@ -143,10 +143,26 @@ def test_dealt_rows_with_a_given_global_batch():
 def test_explicit_positions_and_what_is_refused():
     with compile_rng.step(3, global_batch=9, rows=[2, 5, 8]) as s:
         assert s.rows == Rows(2, 3, 9, 3)
-    with pytest.raises(NotImplementedError, match="not evenly spaced"):
-        with compile_rng.step(3, global_batch=9, rows=[0, 1, 5]):
+    # positions that are not evenly spaced draw one evenly spaced microbatch at a time
+    x = torch.ones(4, 16, dtype=torch.float64)
+    compile_rng.manual_seed(0)
+    with compile_rng.step(4, global_batch=8, rows=[0, 1, 4, 5]) as s:
+        with pytest.raises(NotImplementedError, match="not evenly spaced"):
+            F.dropout(x, 0.5)
+        with s.microbatch(2) as first:
+            first_mask = F.dropout(x[:2], 0.5)
+        with s.microbatch(2) as second:
+            second_mask = F.dropout(x[2:], 0.5)
+    assert (first, second) == (Rows(0, 2, 8), Rows(4, 2, 8))
+    compile_rng.manual_seed(0)
+    with compile_rng.step(8):  # the same rows of one step over the whole batch
+        everything = F.dropout(torch.ones(8, 16, dtype=torch.float64), 0.5)
+    assert torch.equal(first_mask, everything[:2]) and torch.equal(second_mask, everything[4:6])
+    assert not torch.equal(first_mask, everything[2:4])  # the comparison can fail
+    with pytest.raises(ValueError, match="not distinct rows"):
+        with compile_rng.step(3, global_batch=9, rows=[0, 1, 1]):
             pass
-    with pytest.raises(ValueError, match="outside the global batch"):
+    with pytest.raises(ValueError, match="not distinct rows"):
         with compile_rng.step(3, global_batch=6, rows=[2, 5, 8]):
             pass
     with pytest.raises(ValueError, match="rows='sideways'"):

@@ -32,7 +32,7 @@ import torch
 from compile_rng.eager import activation_names, dispatch_modes
 from compile_rng.semantics import verify
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
-from compile_rng.semantics.rows import Rows, reset_rows, set_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, rows_at, set_rows
 from compile_rng.stream import state
 
 
@@ -57,19 +57,20 @@ def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
 ORDERS = ("contiguous", "interleaved")
 
 
-def _evenly_spaced(positions: Sequence[int], local_batch: int) -> tuple[int, int]:
-    """``(first, spacing)`` of this rank's explicit global row positions."""
+def _positions(positions: Sequence[int], local_batch: int) -> list[int]:
+    """This rank's explicit global row positions, checked against its local batch."""
     positions = [int(p) for p in positions]
     if len(positions) != local_batch:
         raise ValueError(f"compile_rng.step: rows= lists {len(positions)} positions for a local batch of {local_batch}")
-    spacing = positions[1] - positions[0] if len(positions) > 1 else 1
-    if spacing <= 0 or any(b - a != spacing for a, b in zip(positions, positions[1:])):
-        raise NotImplementedError(
-            f"compile_rng.step: this rank's rows sit at global positions {positions[:8]}..., not evenly spaced "
-            "in increasing order: order this rank's batch by global position (a sampler's order within a "
-            "rank is free), or use rows='contiguous' / 'interleaved'"
+    return positions
+
+
+def _check_cover(held: Sequence[int], total: int) -> None:
+    if sorted(held) != list(range(total)):
+        raise ValueError(
+            f"compile_rng.step: the rows= positions do not cover the global batch of {total} rows once each "
+            "(a row held twice or by no rank would draw another row's masks)"
         )
-    return (positions[0] if positions else 0), spacing
 
 
 def _dealt(order: str, coord: int, size: int, total: int) -> Rows:
@@ -82,19 +83,26 @@ def _dealt(order: str, coord: int, size: int, total: int) -> Rows:
     return Rows(start, max(min(chunk, total - start), 0), total)
 
 
-def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, order: Any) -> Rows:
+def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, order: Any) -> Rows | ScatteredRows:
     """This rank's rows of the global batch (``order``: see :func:`step`)."""
+    if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
+        raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
     if isinstance(order, str):
         if order not in ORDERS:
             raise ValueError(f"compile_rng.step: rows={order!r}; expected one of {ORDERS} or this rank's positions")
-        spaced = None
+        positions = None
     else:
-        spaced = _evenly_spaced(order, local_batch)
+        positions = _positions(order, local_batch)
     if data_parallel is None:
-        if spaced is not None:
+        if positions is not None:
             if global_batch is None:
                 raise ValueError("compile_rng.step: rows=<positions> without data_parallel needs global_batch=")
-            return _within(Rows(spaced[0], local_batch, global_batch, spaced[1]))
+            if any(not 0 <= p < global_batch for p in positions) or len(set(positions)) != len(positions):
+                raise ValueError(
+                    f"compile_rng.step: rows= positions {positions[:8]} are not distinct rows of the global batch "
+                    f"of {global_batch}"
+                )
+            return rows_at(positions, global_batch)
         if global_batch not in (None, local_batch):
             raise ValueError(
                 f"compile_rng.step: global_batch={global_batch} but local_batch={local_batch} "
@@ -104,7 +112,7 @@ def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, o
     import torch.distributed as dist
 
     group, coord, size, device = _group_coordinate(data_parallel)
-    if global_batch is not None and spaced is None:  # no communication needed
+    if global_batch is not None and positions is None:  # no communication needed
         rows = _dealt(order, coord, size, global_batch)
         if local_batch != rows.count:
             raise ValueError(
@@ -113,50 +121,44 @@ def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, o
                 "omit global_batch to gather the ranks' actual sizes"
             )
         return rows
-    first, spacing = spaced or (0, 1)
-    mine = torch.tensor([coord, local_batch, first, spacing], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
-    ranks = {c: (n, f, d) for c, n, f, d in (t.tolist() for t in gathered)}
-    total = sum(n for n, _, _ in ranks.values())
+    counts = [torch.empty(2, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(counts, torch.tensor([coord, local_batch], dtype=torch.int64, device=device), group=group)
+    sizes = {c: n for c, n in (t.tolist() for t in counts)}
+    total = sum(sizes.values())
     if global_batch is not None and total != global_batch:
         raise ValueError(f"compile_rng.step: the ranks hold {total} rows, but global_batch={global_batch}")
-    if spaced is None and order == "contiguous":
-        return Rows(sum(n for c, (n, _, _) in ranks.items() if c < coord), local_batch, total)
-    if spaced is None:  # interleaved: every rank must hold its dealt share
-        for c, (n, _, _) in ranks.items():
+    if positions is None and order == "contiguous":
+        return Rows(sum(n for c, n in sizes.items() if c < coord), local_batch, total)
+    if positions is None:  # interleaved: every rank must hold its dealt share
+        for c, n in sizes.items():
             if n != _dealt(order, c, size, total).count:
                 raise ValueError(
                     f"compile_rng.step(rows='interleaved'): {total} rows dealt over {size} ranks give coordinate "
                     f"{c} {_dealt(order, c, size, total).count} rows, but it holds {n}"
                 )
         return Rows(coord, local_batch, total, size)
-    held = sorted(f + i * d for n, f, d in ranks.values() for i in range(n))
-    if held != list(range(total)):
-        raise ValueError(
-            f"compile_rng.step: the ranks' rows= positions do not cover the global batch of {total} rows once "
-            "each (a row held twice or by no rank would draw another row's masks)"
-        )
-    return Rows(first, local_batch, total, spacing)
-
-
-def _within(rows: Rows) -> Rows:
-    if rows.count and not (0 <= rows.start and rows.start + (rows.count - 1) * rows.stride < rows.total):
-        raise ValueError(f"compile_rng.step: rows= positions outside the global batch of {rows.total} rows")
-    return rows
+    # explicit positions: gathered (padded to the largest rank's count) to check they cover the batch once
+    most = max(sizes.values())
+    padded = torch.full((most,), -1, dtype=torch.int64, device=device)
+    padded[:local_batch] = torch.tensor(positions, dtype=torch.int64)
+    everyone = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(everyone, padded, group=group)
+    _check_cover([p for t in everyone for p in t.tolist() if p >= 0], total)
+    return rows_at(positions, total)
 
 
 class Step:
     """One training step's batch (see the module docstring); made by :func:`step`."""
 
-    def __init__(self, rows: Rows):
+    def __init__(self, rows: Rows | ScatteredRows, *, only_microbatches: bool = False):
         self.rows = rows
         self._start = state.snapshot()  # every device's stream (a CUDA model draws on CUDA)
         self._used = 0
         self._ends: list[dict[str, tuple[int, int]]] = []
+        self._only_microbatches = only_microbatches
 
     @contextlib.contextmanager
-    def microbatch(self, rows: int) -> Iterator[Rows]:
+    def microbatch(self, rows: int) -> Iterator[Rows | ScatteredRows]:
         """The next ``rows`` rows of this rank's local batch, drawn exactly as the whole
         step's batch draws them: the stream restarts at the step's position."""
         if rows < 0 or self._used + rows > self.rows.count:
@@ -169,12 +171,14 @@ class Step:
         state.restore(self._start)
         token = set_rows(mine)
         try:
-            yield mine
+            with dispatch_modes.compiled_call() if self._only_microbatches else contextlib.nullcontext():
+                yield mine
         finally:
             reset_rows(token)
             self._ends.append(state.snapshot())
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """End the step where every microbatch ended (they must agree; done by :func:`step`)."""
         if not self._ends:
             return
         if self._used != self.rows.count:
@@ -206,8 +210,11 @@ def step(
     ``rows`` is where this rank's rows sit in the global batch: ``"contiguous"`` (a block,
     in coordinate order), ``"interleaved"`` (rows ``coord, coord + size, ...``: how
     ``DistributedSampler`` and ``datasets``' ``split_dataset_by_node`` deal samples), or this
-    rank's global row positions (evenly spaced; checked to cover the batch once, over the
-    ranks). Compiled batched graphs take contiguous rows only.
+    rank's global row positions in the order it holds them (checked to cover the batch once,
+    over the ranks). Random ops draw at evenly spaced rows only: positions that are not
+    (accelerate's loader under gradient accumulation: a block per microbatch) draw in
+    :meth:`Step.microbatch`, one evenly spaced block each. Compiled batched graphs take
+    contiguous rows only.
 
     ``names`` (the model, or this rank's ``PipelineStage`` objects) makes every eager
     random op in the block draw from the stream of its name in the model instead of the
@@ -215,22 +222,28 @@ def step(
     draw the single process's masks; with stages, ``microbatches`` is the schedule's
     ``n_microbatches`` and each stage's microbatch ``i`` draws at its rows.
     """
-    if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 0:
-        raise TypeError(f"compile_rng.step: local_batch must be a row count, got {local_batch!r}")
     rows = _rank_rows(local_batch, data_parallel, global_batch, rows)
     if names is None:
         if microbatches is not None:
             raise ValueError("compile_rng.step: microbatches= goes with names=<pipeline stages>")
         with _rows_and_stream(rows, rows) as s:
             yield s
-        s._finish()
+        s.finish()
         return
     with _named(rows, names, microbatches) as s:
         yield s
 
 
+def open_step(local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None,
+              rows: str | Sequence[int] = "contiguous") -> Step:
+    """A step (arguments as :func:`step`) whose code runs only in its microbatches, for a
+    training loop that owns the code between them (fetching the next batch, the optimizer
+    step): only the microbatches draw at the rows; call :meth:`Step.finish` after the last."""
+    return Step(_rank_rows(local_batch, data_parallel, global_batch, rows), only_microbatches=True)
+
+
 @contextlib.contextmanager
-def _rows_and_stream(rows: Rows, current: Rows | None) -> Iterator[Step]:
+def _rows_and_stream(rows: Rows | ScatteredRows, current: Rows | ScatteredRows | None) -> Iterator[Step]:
     """A :class:`Step` of ``rows``, with ``current`` the rows the block's code draws at."""
     s = Step(rows)
     token = set_rows(current)
@@ -270,7 +283,7 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
             yield s
     finally:
         reset_namer(namer_token)
-    s._finish()
+    s.finish()
     if run is not None:
         state.advance_run(STEP_STRIDE)  # each rank's own stream stays as its seeding left it
         return

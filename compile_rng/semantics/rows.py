@@ -34,15 +34,54 @@ class Rows:
         return Rows(self.start + first * self.stride, count, self.total, self.stride)
 
 
-_rows: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("compile_rng_rows", default=None)
+@dataclass(frozen=True)
+class ScatteredRows:
+    """A rank's rows of a step that are not evenly spaced in the global batch, as
+    ``accelerate``'s loader deals them under gradient accumulation (microbatch ``m`` of rank
+    ``r`` is block ``m * world + r``). Only a microbatch of them (:meth:`sub`) can draw:
+    the counters of an op need evenly spaced rows, so ``start``/``stride`` refuse."""
+
+    positions: tuple[int, ...]
+    total: int
+
+    @property
+    def count(self) -> int:
+        return len(self.positions)
+
+    def sub(self, first: int, count: int) -> Rows | ScatteredRows:
+        """Local rows ``[first, first + count)`` of these (a microbatch)."""
+        return rows_at(self.positions[first:first + count], self.total)
+
+    def _refuse(self) -> int:
+        raise NotImplementedError(
+            f"compile_rng: a random op draws at this rank's rows of the step, which sit at global positions "
+            f"{list(self.positions[:8])}{'...' if self.count > 8 else ''} of {self.total}: not evenly spaced. "
+            "Run the model in Step.microbatch, one microbatch per evenly spaced block of rows (a data "
+            "loader's batch), so each draws at its own rows"
+        )
+
+    start = property(_refuse)
+    stride = property(_refuse)
 
 
-def current_rows() -> Rows | None:
+def rows_at(positions: Sequence[int], total: int) -> Rows | ScatteredRows:
+    """The rows at global ``positions`` (in the order this rank holds them) of a batch of ``total``."""
+    positions = tuple(int(p) for p in positions)
+    stride = positions[1] - positions[0] if len(positions) > 1 else 1
+    if stride > 0 and all(b - a == stride for a, b in zip(positions, positions[1:])):
+        return Rows(positions[0] if positions else 0, len(positions), total, stride)
+    return ScatteredRows(positions, total)
+
+
+_rows: contextvars.ContextVar[Rows | ScatteredRows | None] = contextvars.ContextVar("compile_rng_rows", default=None)
+
+
+def current_rows() -> Rows | ScatteredRows | None:
     """The rows the innermost step or microbatch assigns to the code here (None outside a step)."""
     return _rows.get()
 
 
-def set_rows(rows: Rows | None) -> contextvars.Token:
+def set_rows(rows: Rows | ScatteredRows | None) -> contextvars.Token:
     """Make ``rows`` current (undo with :func:`reset_rows`)."""
     return _rows.set(rows)
 

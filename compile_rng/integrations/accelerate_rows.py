@@ -1,0 +1,96 @@
+"""Where ``accelerate``'s sharded data loaders put a rank's batches in the global batch.
+
+Read from accelerate 1.15 (``accelerate/data_loader.py``), not assumed. Every loader
+``Accelerator.prepare`` makes for data parallelism deals a step's data round by round:
+in round ``m`` (the ``m``-th batch each rank draws) rank ``r`` holds the ``r``-th block of
+what one process reading the same sampler would draw as its ``m``-th batch of the global
+size:
+
+* ``BatchSamplerShard`` (map-style datasets): ``split_batches=False`` gives rank ``r``
+  the sampler's batches ``r, r + W, ...``; ``split_batches=True`` slices each batch into
+  ``W`` blocks; ``even_batches`` pads the last round with the first samples (data
+  the single process does not see, so its last step differs by data, not by masks);
+* ``IterableDatasetShard`` (iterable datasets): each rank's slice of ``W`` batches;
+* ``DataLoaderDispatcher`` (``dispatch_batches``): rank 0 reads a round and sends block
+  ``r`` to rank ``r``.
+
+So with gradient accumulation a rank's rows of an optimizer step are one block per
+microbatch, ``W`` blocks apart: not evenly spaced. :func:`positions` lists them for
+:func:`compile_rng.step` (``rows=``), whose microbatches then draw at their blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def rows_of(batch: Any) -> int:
+    """The row count of a batch: dim 0 of its first tensor (a tensor, or a dict, list
+    or tuple of them, as collators make)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return rows_of(value)
+        except TypeError:
+            continue
+    raise TypeError(f"compile_rng: cannot tell the rows of a batch of type {type(batch).__name__}: no tensor in it")
+
+
+def check_dealt_by_rounds(loader: Any, world: int) -> None:
+    """Refuse a loader whose rows in the global batch are unknown (``world`` > 1):
+    anything but the loaders ``Accelerator.prepare`` makes for data parallelism."""
+    if world <= 1:
+        return
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+
+    samplers = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
+    if (
+        isinstance(loader, DataLoaderDispatcher)
+        or any(isinstance(s, BatchSamplerShard) for s in samplers)
+        or isinstance(getattr(loader, "dataset", None), IterableDatasetShard)
+    ):
+        return
+    raise NotImplementedError(
+        f"compile_rng: the training data loader ({type(loader).__name__} over "
+        f"{type(getattr(loader, 'dataset', None)).__name__}, sampler "
+        f"{type(getattr(loader, 'sampler', None)).__name__}) was not sharded by accelerate, so where this rank's "
+        f"rows sit among the {world} ranks' is unknown and every sample could draw another row's masks. "
+        "Let accelerate shard the data (Accelerator.prepare / the Trainer's own loader), or run each step in "
+        "compile_rng.step(..., rows=<this rank's global positions>) yourself"
+    )
+
+
+def positions(sizes: Sequence[Sequence[int]], rank: int) -> list[int]:
+    """This rank's global row positions in a step whose microbatch ``m`` holds
+    ``sizes[r][m]`` rows on rank ``r`` (0 where a rank ran out of data), dealt by rounds."""
+    rounds = max((len(s) for s in sizes), default=0)
+    grid = [[s[m] if m < len(s) else 0 for s in sizes] for m in range(rounds)]  # grid[m][r]
+    mine, first = [], 0
+    for row in grid:
+        start = first + sum(row[:rank])
+        mine.extend(range(start, start + row[rank]))
+        first += sum(row)
+    return mine
+
+
+def gather_sizes(mine: Sequence[int], device: torch.device) -> list[list[int]]:
+    """Every data-parallel rank's microbatch sizes (two small all-gathers on the world group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [list(mine)]
+    world = dist.get_world_size()
+    count = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    most = max(int(c) for c in counts)
+    padded = torch.zeros(most, dtype=torch.int64, device=device)
+    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
+    everyone = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(everyone, padded)
+    return [t.tolist()[: int(c)] for t, c in zip(everyone, counts)]

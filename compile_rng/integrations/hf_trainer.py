@@ -1,0 +1,85 @@
+"""The Hugging Face ``Trainer`` with every optimizer step in a :func:`compile_rng.step`.
+
+One line for the user::
+
+    class Trainer(compile_rng.TrainerMixin, transformers.Trainer): pass
+
+The Trainer fetches each optimizer step's microbatches up front
+(``Trainer.get_batch_samples``, transformers 5.x) and then runs ``training_step`` on each.
+The mixin opens the step there - the rows of every data-parallel rank's microbatches
+gathered, placed where accelerate's loader dealt them (:mod:`.accelerate_rows`) - runs
+each ``training_step`` in its :meth:`~compile_rng.eager.batches.Step.microbatch` (only
+there: the Trainer's code between them draws as it would without the mixin), and closes
+the step after the last. So every sample draws the masks it draws in one process
+with the same global batch, whatever the number of ranks and the gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compile_rng.eager.batches import Step, open_step
+from compile_rng.integrations import accelerate_rows
+
+
+class TrainerMixin:
+    """Put before ``transformers.Trainer`` in a subclass's bases (see the module docstring).
+
+    Data parallelism is the Trainer's process group (DDP, or FSDP through accelerate);
+    tensor or context parallelism (accelerate's ``ParallelismConfig``) and data loaders
+    accelerate did not shard are refused rather than drawn at unknown rows.
+    """
+
+    _compile_rng_step: Step | None = None
+    _compile_rng_left = 0
+
+    def get_train_dataloader(self):  # noqa: ANN201 - the Trainer's own signature
+        loader = super().get_train_dataloader()
+        config = getattr(self.accelerator, "parallelism_config", None)
+        split = {k: getattr(config, k, None) or 1 for k in ("tp_size", "cp_size", "sp_size")}
+        if any(v > 1 for v in split.values()):
+            raise NotImplementedError(
+                f"compile_rng.TrainerMixin: accelerate's ParallelismConfig splits the model ({split}): its data-"
+                "parallel group is not the world, which the mixin assumes. Use compile_rng.step with "
+                "data_parallel=<the data-parallel mesh> in your own training_step"
+            )
+        accelerate_rows.check_dealt_by_rounds(loader, self.accelerator.num_processes)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._compile_rng_step is not None:
+            raise RuntimeError(
+                f"compile_rng.TrainerMixin: a new optimizer step began with {self._compile_rng_left} microbatch(es) "
+                "of the last one not run through training_step"
+            )
+        sizes = [accelerate_rows.rows_of(b) for b in batches]
+        everyone = accelerate_rows.gather_sizes(sizes, self.accelerator.device)
+        mine = accelerate_rows.positions(everyone, self.accelerator.process_index)
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
+        total = sum(map(sum, everyone))
+        self._compile_rng_step = open_step(sum(sizes), data_parallel=group, global_batch=None if group else total,
+                                           rows=mine)
+        self._compile_rng_left = len(batches)
+        return batches, items
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        step = self._compile_rng_step
+        if step is None:
+            raise RuntimeError(
+                "compile_rng.TrainerMixin: training_step ran outside the Trainer's training loop (no optimizer step "
+                "is open): call it from Trainer.train, or use compile_rng.step around your own loop"
+            )
+        try:
+            with step.microbatch(accelerate_rows.rows_of(inputs)):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self._compile_rng_step = None
+            raise
+        self._compile_rng_left -= 1
+        if self._compile_rng_left == 0:
+            self._compile_rng_step = None
+            step.finish()
+        return loss
