@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 import compile_rng
 from compile_rng.integrations import accelerate_rows
@@ -77,6 +77,14 @@ def test_refusals():
     with pytest.raises(NotImplementedError, match="not sharded by accelerate"):
         accelerate_rows.check_dealt_by_rounds(DataLoader(data, batch_size=2), world=2)
     accelerate_rows.check_dealt_by_rounds(DataLoader(data, batch_size=2), world=1)
+    from accelerate.data_loader import BatchSamplerShard
+
+    per_rank = DistributedSampler(data, num_replicas=2, rank=0)  # a custom sampler that shards by itself
+    sharded = DataLoader(data, batch_sampler=BatchSamplerShard(BatchSampler(per_rank, 2, False), 2, 0))
+    with pytest.raises(NotImplementedError, match="DistributedSampler"):
+        accelerate_rows.check_dealt_by_rounds(sharded, world=2)
+    plain = DataLoader(data, batch_sampler=BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), 2, 0))
+    accelerate_rows.check_dealt_by_rounds(plain, world=2)
 
     from accelerate import Accelerator
 

@@ -28,9 +28,6 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-VERSIONS_CHECKED = ("3.8.0", "3.9.0")
-
-
 def target(arch: int) -> GPUTarget:
     """An NVIDIA GPU of compute capability ``arch`` (80 = A100, 90 = H100, 100 = B200)."""
     return GPUTarget("cuda", arch, 32)

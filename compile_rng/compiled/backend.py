@@ -13,6 +13,7 @@ loads it.
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from collections.abc import Callable
@@ -67,12 +68,18 @@ def warn_if_split(gm: fx.GraphModule) -> None:
     )
 
 
+#: Plans a backend keeps: a process that recompiles for ever (new shapes, new models)
+#: must not grow for ever; ``explain`` and the tests read the recent ones.
+PLANS_KEPT = 1024
+
+
 class Backend:
-    """A ``torch.compile`` backend; ``plans`` keeps what the pass did, one per graph."""
+    """A ``torch.compile`` backend; ``plans`` keeps what the pass did, one per graph
+    (the last :data:`PLANS_KEPT` graphs)."""
 
     def __init__(self, config: BackendConfig):
         self.config = config
-        self.plans: list[RngPlan] = []
+        self.plans: collections.deque[RngPlan] = collections.deque(maxlen=PLANS_KEPT)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict | None = None
@@ -132,7 +139,7 @@ def backend(
     (``mode=`` is the deprecated spelling). ``inner`` is the compiler that runs after the pass:
     ``"inductor"`` (fused kernels) or ``"aot_eager"`` (for debugging); ``torch.compile``'s
     own ``mode=`` and ``options=`` configure that Inductor. The returned
-    object's ``plans`` lists, per compiled graph, the rewritten ops, their offsets,
+    object's ``plans`` lists, per compiled graph (the last 1024), the rewritten ops, their offsets,
     the total advance and the graph code after the pass. ``verify=True`` (or the
     environment variable ``COMPILE_RNG_VERIFY=1``) checks before every call that the
     ranks that run the graph (those of its DTensor ops' meshes; the default group for a

@@ -43,12 +43,21 @@ def rows_of(batch: Any) -> int:
 
 def check_dealt_by_rounds(loader: Any, world: int) -> None:
     """Refuse a loader whose rows in the global batch are unknown (``world`` > 1):
-    anything but the loaders ``Accelerator.prepare`` makes for data parallelism."""
+    anything but the loaders ``Accelerator.prepare`` makes for data parallelism, or one
+    over a sampler that already shards by rank. (A sampler of the user's own must yield
+    the same order on every rank, as accelerate itself assumes.)"""
     if world <= 1:
         return
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
     samplers = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
+    inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+    if isinstance(getattr(inner, "sampler", inner), torch.utils.data.DistributedSampler):
+        raise NotImplementedError(
+            "compile_rng: the training sampler is a DistributedSampler, and accelerate shards its batches again: "
+            "each rank reads its own sample order, so no single global batch holds them. Give accelerate a "
+            "sampler that is the same on every rank (the Trainer's own) and let it shard"
+        )
     if (
         isinstance(loader, DataLoaderDispatcher)
         or any(isinstance(s, BatchSamplerShard) for s in samplers)
