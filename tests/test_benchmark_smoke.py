@@ -19,9 +19,9 @@ def _table(stdout: str) -> list[dict]:
         if not line.strip():
             break
         isa, threads = line[:18].split()
-        ran_isa, ns, x_memset, *ratios = line[48:].split()
+        ran_isa, ns, x_memset, *ratios, first = line[48:].split()
         rows.append({"isa": isa, "threads": int(threads), "case": line[18:48].strip(), "ran_isa": ran_isa,
-                     "ns_per_elem": ns, "x_memset": x_memset, "ratios": ratios})
+                     "ns_per_elem": ns, "x_memset": x_memset, "ratios": ratios, "first_call_s": first})
     return rows
 
 
@@ -82,6 +82,7 @@ def test_bench_random_smoke(tmp_path):
         r = rows[t["case"]]
         assert (t["isa"], t["threads"], t["ran_isa"]) == (r["isa"], r["threads"], r["ran_isa"])
         assert (t["ns_per_elem"], t["x_memset"]) == (f"{r['ns_per_elem']:.2f}", f"{r['x_memset']:.1f}")
+        assert t["first_call_s"] == f"{r['first_call_s']:.2f}"
         expected = [f"{r[k]:.2f}x" for k in ("speedup_vs_eager", "speedup_vs_inductor") if k in r]
         assert t["ratios"] == expected, t["case"]
 

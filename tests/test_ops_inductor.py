@@ -143,3 +143,36 @@ def test_without_avx512_shorter_streams_take_the_c_kernel(monkeypatch, isa, exte
     assert bool(calls) == extern
     calls.clear()
     assert torch.equal(got, fn(key)) and calls  # the eager op: the C kernel
+
+
+@pytest.mark.parametrize("isa, extern", [("avx512", False), ("avx2", True)])
+def test_without_avx512_every_exact_op_takes_the_eager_op(monkeypatch, isa, extern):
+    """Without AVX-512 every dtype and layout from EXTERN_MIN_NUMEL_NARROW calls the eager
+    op (no fused loop for gcc to build); with AVX-512 these stay fused (not float32, or
+    strided). The same bits either way: both equal the eager op."""
+    import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
+
+    from compile_rng.stream import lowering
+
+    externs, extern_call = [], lowering._extern
+    monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)
+    monkeypatch.setattr(lowering, "_extern", lambda op, *a: externs.append(op) or extern_call(op, *a))
+    rows = lowering.EXTERN_MIN_NUMEL_NARROW // 32 + 1
+    size, strides = [rows, 32], [40, 1]  # rows of a 40-wide tensor: a strided stream
+    key = ops.make_key(11, 2**32 - 5)
+    x = torch.randn(rows, 32, dtype=torch.float64)
+    p = torch.rand(rows, 32, dtype=torch.float64)
+
+    def exact(key, x, p):
+        return (*ops.dropout(key, 0, x, strides, 0.3),
+                ops.uniform(key, 1, size, strides, -2.0, 3.0, torch.bfloat16),
+                ops.randint(key, 2, size, strides, -(2**40), 2**41, torch.int64),
+                ops.bernoulli_tensor(key, 3, p, strides, torch.float64),
+                ops.random_bits(key, 4, size, strides))
+
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        got = torch.compile(exact, backend="inductor", fullgraph=True)(key, x, p)
+    assert len(externs) == (5 if extern else 0)
+    for a, b in zip(got, exact(key, x, p)):
+        assert torch.equal(a, b)

@@ -276,6 +276,15 @@ def inductor_caches_enabled() -> bool:
     return bool(config.fx_graph_cache) and not config.force_disable_caches
 
 
+def inductor_caches_off() -> Any:
+    """A context in which Inductor neither looks up nor files artifacts: for compiles
+    whose code depends on something its keys do not hold (benchmarks and tests that
+    force the lowering's choice of a fused loop or a kernel call)."""
+    from torch._inductor import config
+
+    return config.patch(force_disable_caches=True)
+
+
 def register_device_mesh_ops() -> None:
     """Register ``torch.ops.device_mesh`` (the runtime mesh coordinate of a graph traced
     with ``compile_on_one_rank``). Tracing registers it; a graph loaded from the cache

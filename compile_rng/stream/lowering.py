@@ -5,8 +5,10 @@ becomes a call to the eager C kernel instead (``cpu_kernel.fast_f32``), which us
 four words of each Philox block and vectorizes across blocks; measured here it is about
 2x faster than the fused loop, which recomputes the whole block for every element in
 emulated 64-bit arithmetic; without AVX-512 (Inductor at AVX2, NEON) the fused loop is
-25-40x slower than the kernel, so there all but tiny streams call it
-(:func:`extern_min_numel`). Small or strided ones stay fused with their neighbours.
+25-40x slower than the kernel, so there every op on a stream of static size from 2K
+elements calls the eager op, whatever its dtype and layout (:func:`extern_min_numel`).
+Small, strided (with AVX-512) or dynamically sized ones stay fused with their neighbours,
+and so does ``exponential`` (its ``log`` is Inductor's: within 4 ulp of the eager op's).
 Both give the same bits (integer-derived values, same float ops), so the choice never
 changes a result. ``normal`` has no lowering: its transcendental functions must come
 from one implementation (the C kernel, or torch's ops for float64) whatever the size or
@@ -145,26 +147,36 @@ def _register(op: OpOverload) -> Callable:
 
 
 #: Streams at least this long go to the C kernel when Inductor vectorizes for AVX-512
-#: (see the module docstring).
+#: (float32 and a contiguous stream: the kernel's fast path; see the module docstring).
 EXTERN_MIN_NUMEL = 1 << 18
 #: ... and elsewhere (AVX2, NEON, no vector ISA), where the fused loop's 64-bit multiplies
 #: have no vector instruction: with Inductor at AVX2 it ran 31-41 ns/element from 1K to
 #: 256K elements, against the kernel call's 30-40 us (the custom op's Python layers, on a
 #: 2-core EPYC) plus ~1 ns/element; the two cross near 1.3K elements
-#: (``benchmarks/bench_random.py --isa avx2 --baseline-isa avx2 --size N``).
+#: (``benchmarks/bench_random.py --isa avx2 --baseline-isa avx2 --size N``). There every
+#: dtype and layout calls the eager op: its generic path (the C kernel's words for any
+#: strides, then torch's vectorized transforms) is still several times faster than the
+#: fused loop, and the fused loop costs gcc ~6 s per op to compile on such a CPU. (Not
+#: ``exponential``: see the module docstring.)
 EXTERN_MIN_NUMEL_NARROW = 1 << 11
 
 
 def extern_min_numel() -> int:
-    """The stream length from which a float32 op calls the C kernel in CPU graphs."""
+    """The stream length from which an op calls the eager kernel in CPU graphs."""
     return EXTERN_MIN_NUMEL if inductor_vector_isa() == "avx512" else EXTERN_MIN_NUMEL_NARROW
 
 
-def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype) -> bool:
-    if dtype != torch.float32 or not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
+def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype, fast_path: bool = True) -> bool:
+    """Whether a CPU graph calls the eager op instead of a fused loop: with AVX-512, long
+    float32 streams that take the C kernel's fast path (``fast_path``: the op's own
+    condition for it); without, every stream from :data:`EXTERN_MIN_NUMEL_NARROW`."""
+    if not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
         return False
     numel = math.prod(int(s) for s in size)
-    return numel >= extern_min_numel() and stream.contiguous_stream([int(s) for s in size], [int(s) for s in strides])
+    if inductor_vector_isa() != "avx512":
+        return numel >= EXTERN_MIN_NUMEL_NARROW
+    contiguous = stream.contiguous_stream([int(s) for s in size], [int(s) for s in strides])
+    return fast_path and dtype == torch.float32 and contiguous and numel >= EXTERN_MIN_NUMEL
 
 
 def _extern(op: OpOverload, *args: Any) -> Any:
@@ -175,7 +187,7 @@ def _extern(op: OpOverload, *args: Any) -> Any:
 def _uniform(key, offset, size, strides, low, high, dtype):
     from compile_rng.stream.cpu_kernel import fast_uniform_ok
 
-    if _extern_worthy(size, strides, dtype) and fast_uniform_ok(high):
+    if _extern_worthy(size, strides, dtype, fast_uniform_ok(high)):
         return _extern(torch.ops.compile_rng.uniform.default, key, offset, size, strides, low, high, dtype)
     ctr = _Counter(key, offset, strides)
     return _pointwise(key, size, dtype, lambda idx: stream.uniform(_M, ctr.word(idx), dtype, low, high))
@@ -183,6 +195,8 @@ def _uniform(key, offset, size, strides, low, high, dtype):
 
 @_register(torch.ops.compile_rng.exponential.default)
 def _exponential(key, offset, size, strides, lambd, dtype):
+    # Always fused: its log is Inductor's (within 4 ulp of the eager op's), and a choice
+    # by size or CPU must not change a value.
     ctr = _Counter(key, offset, strides)
     return _pointwise(key, size, dtype, lambda idx: stream.exponential(_M, ctr.word(idx), dtype, lambd))
 
@@ -197,6 +211,8 @@ def _bernoulli(key, offset, size, strides, p, dtype):
 
 @_register(torch.ops.compile_rng.bernoulli_tensor.default)
 def _bernoulli_tensor(key, offset, p, strides, dtype):
+    if _extern_worthy(p.get_size(), strides, dtype, fast_path=False):
+        return _extern(torch.ops.compile_rng.bernoulli_tensor.default, key, offset, p, strides, dtype)
     ctr = _Counter(key, offset, strides)
     load_p = p.make_loader()
     return _pointwise(
@@ -220,6 +236,8 @@ def _dropout(key, offset, x, strides, p):
 
 @_register(torch.ops.compile_rng.randint.default)
 def _randint(key, offset, size, strides, low, high, dtype):
+    if _extern_worthy(size, strides, dtype, fast_path=False):
+        return _extern(torch.ops.compile_rng.randint.default, key, offset, size, strides, low, high, dtype)
     ctr = _Counter(key, offset, strides)
 
     def fn(idx):
@@ -231,6 +249,8 @@ def _randint(key, offset, size, strides, low, high, dtype):
 
 @_register(torch.ops.compile_rng.random_bits.default)
 def _random_bits(key, offset, size, strides):
+    if _extern_worthy(size, strides, _I64, fast_path=False):
+        return _extern(torch.ops.compile_rng.random_bits.default, key, offset, size, strides)
     ctr = _Counter(key, offset, strides)
     return _pointwise(
         key, size, _I64, lambda idx: stream.random_bits(_M, ctr.word(idx), ctr.word(idx, c2=1))
