@@ -62,7 +62,7 @@ test-gpu: setup
 
 # No GPU needed: every Triton kernel variant compiled ahead of time for sm_80/90/100
 # (registers, spills, compile time), then sm_90 instructions per element and the H100
-# prediction of the README's GPU section.
+# prediction of docs/gpus.md.
 aot-gpu: setup
 	$(PY) benchmarks/aot_gpu.py
 	$(PY) benchmarks/aot_gpu.py --per-element

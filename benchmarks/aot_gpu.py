@@ -151,7 +151,7 @@ def _classify(ins: str) -> str:
     return "other (branch, move, barrier...)"
 
 
-#: H100 SXM5 figures the prediction uses (sources: the README's GPU section).
+#: H100 SXM5 figures the prediction uses (sources: docs/gpus.md).
 H100_SMS, H100_CLOCK_HZ = 132, 1.98e9
 H100_HBM_BYTES_PER_S = 3.35e12
 FILL_EFFICIENCY = 0.90  # assumed: a large fill_ reaches ~90% of peak HBM bandwidth
