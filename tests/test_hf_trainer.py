@@ -72,6 +72,36 @@ def test_positions_are_where_accelerate_deals_the_samples(shard):
     assert read >= samples
 
 
+class _Loop:
+    """What TrainerMixin needs of ``transformers.Trainer`` (one process): its batch fetch
+    and a training step that draws dropout."""
+
+    accelerator = type("Accelerator", (), {"num_processes": 1, "process_index": 0, "device": "cpu"})()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return [b for _, b in zip(range(num_batches), epoch_iterator)], None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return torch.nn.functional.dropout(inputs["x"], 0.5)
+
+
+def test_the_mixin_draws_each_microbatch_at_its_rows_of_the_step():
+    trainer = type("Trainer", (compile_rng.TrainerMixin, _Loop), {})()
+    x = torch.ones(8, 16, dtype=torch.float64)
+    batches = iter([{"x": x[:3]}, {"x": x[3:]}, {"x": x[:4]}])
+    compile_rng.manual_seed(0)
+    step, _ = trainer.get_batch_samples(batches, 2, "cpu")  # an optimizer step of 3 + 5 rows
+    masks = torch.cat([trainer.training_step(None, b) for b in step])
+    compile_rng.manual_seed(0)
+    with compile_rng.step(8):
+        whole = torch.nn.functional.dropout(x, 0.5)  # one process, the step's 8 rows at once
+    assert torch.equal(masks, whole)
+    (last,), _ = trainer.get_batch_samples(batches, 2, "cpu")  # the last, short step
+    trainer.training_step(None, last)
+    assert trainer.get_batch_samples(batches, 2, "cpu")[0] == []  # no data left: no step stays open
+    assert trainer._compile_rng_step is None
+
+
 def test_refusals():
     data = TensorDataset(torch.zeros(10, 3))
     with pytest.raises(NotImplementedError, match="not sharded by accelerate"):

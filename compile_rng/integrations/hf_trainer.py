@@ -60,9 +60,11 @@ class TrainerMixin:
 
         group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         total = sum(map(sum, everyone))
-        self._compile_rng_step = open_step(sum(sizes), data_parallel=group, global_batch=None if group else total,
-                                           rows=mine)
-        self._compile_rng_left = len(batches)
+        step = open_step(sum(sizes), data_parallel=group, global_batch=None if group else total, rows=mine)
+        if batches:
+            self._compile_rng_step, self._compile_rng_left = step, len(batches)
+        else:  # this rank's data ran out: it took part in the step's collectives, and draws nothing
+            step.finish()
         return batches, items
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
