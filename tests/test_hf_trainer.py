@@ -115,6 +115,18 @@ def test_refusals():
         accelerate_rows.check_dealt_by_rounds(sharded, world=2)
     plain = DataLoader(data, batch_sampler=BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), 2, 0))
     accelerate_rows.check_dealt_by_rounds(plain, world=2)
+    from accelerate.data_loader import SkipBatchSampler
+
+    resumed = DataLoader(data, batch_sampler=SkipBatchSampler(plain.batch_sampler, 2))  # skip_first_batches
+    accelerate_rows.check_dealt_by_rounds(resumed, world=2)
+    rebalanced = BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), 2, 0)
+    rebalanced.num_processes = 1  # the Trainer's batch_rebalance: its sampler picks each rank's samples
+    with pytest.raises(NotImplementedError, match="batch_rebalance"):
+        accelerate_rows.check_dealt_by_rounds(DataLoader(data, batch_sampler=rebalanced), world=2)
+    uneven = BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), 2, 0, even_batches=False)
+    accelerate_rows.check_dealt_by_rounds(DataLoader(data, batch_sampler=uneven), world=2)  # the Trainer's gather copes
+    with pytest.raises(NotImplementedError, match="even_batches=False"):  # accelerate_batches cannot
+        accelerate_rows.check_dealt_by_rounds(DataLoader(data, batch_sampler=uneven), world=2, even=True)
 
     from accelerate import Accelerator
 
@@ -126,3 +138,6 @@ def test_refusals():
     with pytest.raises(RuntimeError, match="outside the Trainer's training loop"):
         type("T", (compile_rng.TrainerMixin, object), {})().training_step(None, {})
     assert accelerate_rows.rows_of({"input_ids": torch.zeros(5, 2), "labels": torch.zeros(5)}) == 5
+    from transformers import BatchEncoding  # the Trainer's DataCollatorWithPadding: a UserDict
+
+    assert accelerate_rows.rows_of(BatchEncoding({"input_ids": torch.zeros(3, 2)})) == 3

@@ -152,7 +152,10 @@ class Step:
 
     def __init__(self, rows: Rows | ScatteredRows, *, only_microbatches: bool = False):
         self.rows = rows
-        self._start = state.snapshot()  # every device's stream (a CUDA model draws on CUDA)
+        # every device's stream (a CUDA model draws on CUDA); a step of microbatches only
+        # starts where its first microbatch does (a training loop may restore its RNG state
+        # between opening the step and running it: the Trainer does when it resumes)
+        self._start = None if only_microbatches else state.snapshot()
         self._used = 0
         self._ends: list[dict[str, tuple[int, int]]] = []
         self._only_microbatches = only_microbatches
@@ -168,6 +171,8 @@ class Step:
             )
         mine = self.rows.sub(self._used, rows)
         self._used += rows
+        if self._start is None:
+            self._start = state.snapshot()
         state.restore(self._start)
         token = set_rows(mine)
         try:

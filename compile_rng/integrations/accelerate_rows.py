@@ -21,7 +21,7 @@ microbatch, ``W`` blocks apart: not evenly spaced. :func:`positions` lists them 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,8 @@ def rows_of(batch: Any) -> int:
     or tuple of them, as collators make)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    # Mapping: transformers' BatchEncoding (a UserDict) as well as dicts
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
         try:
             return rows_of(value)
@@ -41,26 +42,48 @@ def rows_of(batch: Any) -> int:
     raise TypeError(f"compile_rng: cannot tell the rows of a batch of type {type(batch).__name__}: no tensor in it")
 
 
-def check_dealt_by_rounds(loader: Any, world: int) -> None:
+def _shard(loader: Any) -> Any:
+    """The loader's ``BatchSamplerShard`` (under a resumed loader's ``SkipBatchSampler``), or None."""
+    from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        while isinstance(sampler, SkipBatchSampler):
+            sampler = sampler.batch_sampler
+        if isinstance(sampler, BatchSamplerShard):
+            return sampler
+    return None
+
+
+def check_dealt_by_rounds(loader: Any, world: int, *, even: bool = False) -> None:
     """Refuse a loader whose rows in the global batch are unknown (``world`` > 1):
-    anything but the loaders ``Accelerator.prepare`` makes for data parallelism, or one
-    over a sampler that already shards by rank. (A sampler of the user's own must yield
-    the same order on every rank, as accelerate itself assumes.)"""
+    anything but the loaders ``Accelerator.prepare`` makes for data parallelism, one over
+    a sampler that already shards by rank, or (``even``: every rank must hold the same
+    batches) one that does not pad the last round. (A sampler of the user's own must
+    yield the same order on every rank, as accelerate itself assumes.)"""
     if world <= 1:
         return
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
 
-    samplers = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
-    inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
-    if isinstance(getattr(inner, "sampler", inner), torch.utils.data.DistributedSampler):
+    shard = _shard(loader)
+    inner = getattr(shard, "batch_sampler", None)
+    if isinstance(getattr(inner, "sampler", inner), torch.utils.data.DistributedSampler) or (
+        shard is not None and shard.num_processes != world
+    ):
         raise NotImplementedError(
-            "compile_rng: the training sampler is a DistributedSampler, and accelerate shards its batches again: "
-            "each rank reads its own sample order, so no single global batch holds them. Give accelerate a "
-            "sampler that is the same on every rank (the Trainer's own) and let it shard"
+            f"compile_rng: the training sampler ({type(getattr(inner, 'sampler', inner)).__name__}) picks each "
+            "rank's samples itself (a DistributedSampler, or the Trainer's batch_rebalance), so no single global "
+            "batch holds them in an order one process would read. Give accelerate a sampler that is the same on "
+            "every rank (the Trainer's own random sampler) and let it shard"
+        )
+    if even and shard is not None and not shard.even_batches:
+        raise NotImplementedError(
+            "compile_rng.accelerate_batches: the loader was prepared with even_batches=False, so the ranks may "
+            "hold different numbers of batches and an optimizer step's rows differ by rank; keep accelerate's "
+            "even_batches=True (the default) or drop the last batch (drop_last=True)"
         )
     if (
         isinstance(loader, DataLoaderDispatcher)
-        or any(isinstance(s, BatchSamplerShard) for s in samplers)
+        or shard is not None
         or isinstance(getattr(loader, "dataset", None), IterableDatasetShard)
     ):
         return

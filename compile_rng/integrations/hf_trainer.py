@@ -34,6 +34,9 @@ class TrainerMixin:
     _compile_rng_left = 0
 
     def get_train_dataloader(self):  # noqa: ANN201 - the Trainer's own signature
+        # A new train(): a step a stopped loop left open (an exception or a callback between
+        # microbatches) must not outlive it
+        self._compile_rng_step, self._compile_rng_left = None, 0
         loader = super().get_train_dataloader()
         config = getattr(self.accelerator, "parallelism_config", None)
         split = {k: getattr(config, k, None) or 1 for k in ("tp_size", "cp_size", "sp_size")}
