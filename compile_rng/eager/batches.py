@@ -137,13 +137,9 @@ def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, o
                     f"{c} {_dealt(order, c, size, total).count} rows, but it holds {n}"
                 )
         return Rows(coord, local_batch, total, size)
-    # explicit positions: gathered (padded to the largest rank's count) to check they cover the batch once
-    most = max(sizes.values())
-    padded = torch.full((most,), -1, dtype=torch.int64, device=device)
-    padded[:local_batch] = torch.tensor(positions, dtype=torch.int64)
-    everyone = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(everyone, padded, group=group)
-    _check_cover([p for t in everyone for p in t.tolist() if p >= 0], total)
+    # explicit positions: every rank's, to check that they cover the batch once
+    everyone = verify.gather_int_lists(positions, group, device, [sizes[c] for c in range(size)])
+    _check_cover([p for held in everyone for p in held], total)
     return rows_at(positions, total)
 
 

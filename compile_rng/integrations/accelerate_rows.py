@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from compile_rng.semantics import verify
+
 
 def rows_of(batch: Any) -> int:
     """The row count of a batch: dim 0 of its first tensor (a tensor, or a dict, list
@@ -116,13 +118,4 @@ def gather_sizes(mine: Sequence[int], device: torch.device) -> list[list[int]]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [list(mine)]
-    world = dist.get_world_size()
-    count = torch.tensor([len(mine)], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    most = max(int(c) for c in counts)
-    padded = torch.zeros(most, dtype=torch.int64, device=device)
-    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
-    everyone = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(everyone, padded)
-    return [t.tolist()[: int(c)] for t, c in zip(everyone, counts)]
+    return verify.gather_int_lists(mine, dist.group.WORLD, device)

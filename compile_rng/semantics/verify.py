@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,22 @@ def collective_device(group: object = None) -> torch.device:
         if name == backend:
             return torch.device(device_type)
     return torch.device("cpu")
+
+
+def gather_int_lists(mine: Sequence[int], group: object, device: torch.device,
+                     lengths: Sequence[int] | None = None) -> list[list[int]]:
+    """Every rank of ``group``'s list of ints, in the group's rank order: an all-gather of
+    the lengths (unless ``lengths`` gives them), then one of the lists padded to the longest."""
+    if lengths is None:
+        count = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, count, group=group)
+        lengths = [int(c) for c in counts]
+    padded = torch.zeros(max(lengths, default=0), dtype=torch.int64, device=device)
+    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
+    everyone = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(everyone, padded, group=group)
+    return [t.tolist()[:n] for t, n in zip(everyone, lengths)]
 
 
 def enabled(flag: object) -> bool:
