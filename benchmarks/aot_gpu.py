@@ -172,7 +172,7 @@ PER_ELEMENT = {"uniform.float32.stream": 4, "normal.float32.stream": 4, "dropout
 
 
 def per_element() -> None:
-    from compile_rng.stream import triton_kernels as tk
+    from compile_rng.stream import accelerator_ops as ao, triton_kernels as tk
 
     print("\nsm_90 SASS per element (common path) and the H100 SXM5 prediction "
           f"({H100_SMS} SMs, {H100_CLOCK_HZ / 1e9:.2f} GHz, HBM {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, "
@@ -181,7 +181,7 @@ def per_element() -> None:
     sm_clocks = H100_SMS * H100_CLOCK_HZ
     for name, nbytes in PER_ELEMENT.items():
         result, asm = gpu_aot.compile_variant(name, 90)
-        c = dict(tk.specializations()[name].constexprs)
+        c = dict(ao.specializations()[name].constexprs)
         per_thread = (c["BLOCK"] * 4 if c["CONTIG"] else c["BLOCK"]) / (tk.OPTIONS["num_warps"] * 32)
         executed = executed_per_thread(_sass_with_addresses(asm["cubin"]))
         classes = Counter(_classify(i) for i in executed)
@@ -216,10 +216,10 @@ def main() -> None:
     import torch
     import triton
 
-    from compile_rng.stream import triton_kernels as tk
+    from compile_rng.stream import accelerator_ops as ao
 
     archs = gpu_aot.supported_archs(args.arch)
-    names = [n for n in tk.specializations() if not args.only or any(s in n for s in args.only)]
+    names = [n for n in ao.specializations() if not args.only or any(s in n for s in args.only)]
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(names)} variants x "
           f"{', '.join(f'sm_{a}' for a in archs)} (skipped, unsupported here: {sorted(set(args.arch) - set(archs))})")
     cache = None if args.cache else tempfile.mkdtemp(prefix="compile_rng_aot_")

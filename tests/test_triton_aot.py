@@ -2,7 +2,7 @@
 
 Triton compiles ahead of time for a named GPU with no GPU and no driver
 (:mod:`compile_rng.debug.gpu_aot`): every variant compile_rng launches
-(:func:`compile_rng.stream.triton_kernels.specializations`) must compile for sm_80 (A100),
+(:func:`compile_rng.stream.accelerator_ops.specializations`) must compile for sm_80 (A100),
 sm_90 (H100) and sm_100 (B200, where the installed triton has its ptxas) with no spill
 bytes; registers per thread are recorded (``benchmarks/aot_gpu.py`` prints them). The
 default suite compiles a representative subset (every op, both layouts, every
@@ -61,7 +61,7 @@ def _check(results: list[gpu_aot.Compiled]) -> None:
 
 
 def test_names_and_variants_correspond_one_to_one():
-    specs = tk.specializations()
+    specs = ao.specializations()
     keys = {_variant_key(step) for step in specs.values()}
     assert len(keys) == len(specs) == 194
     assert set(REPRESENTATIVE) <= set(specs)
@@ -72,7 +72,7 @@ def test_every_launch_uses_an_enumerated_variant():
     scalar were typed by its value or any pointer specialized on its alignment: offsets
     and strides past 2**31, a seed word past 2**63, parameters whose bit patterns are 0,
     more dims than a launch takes, sources that start mid-storage."""
-    known = {_variant_key(step): name for name, step in tk.specializations().items()}
+    known = {_variant_key(step): name for name, step in ao.specializations().items()}
     key = ops.make_key(2**63 + 5, 2**64 - 3)
     odd = torch.zeros(37, dtype=torch.float16)[1:]  # 2-byte aligned
     with tk.recording() as seen:
@@ -139,7 +139,7 @@ def test_representative_variants_compile_without_spills():
 @pytest.mark.slow
 @pytest.mark.sweep  # 194 variants x 3 targets: ~4.5 min on 2 cores, only in `make test-all`
 def test_every_variant_compiles_without_spills():
-    names = list(tk.specializations())
+    names = list(ao.specializations())
     results = gpu_aot.compile_all(names, ARCHS)
     assert len(results) == len(names) * len(ARCHS)
     _check(results)

@@ -4,7 +4,7 @@ with no GPU and no driver.
 Triton's interpreter checks the kernels' values on CPU but accepts code the NVIDIA
 backend rejects or compiles badly (64-bit integer paths, casts, constexpr branches,
 register pressure). Here every variant compile_rng can launch
-(:func:`compile_rng.stream.triton_kernels.specializations`) goes through Triton's real pipeline
+(:func:`compile_rng.stream.accelerator_ops.specializations`) goes through Triton's real pipeline
 for a named GPU (Triton IR -> LLVM -> PTX -> ptxas -> cubin), and the PTX through
 ``ptxas -v`` (the ptxas Triton runs, with its flags) for registers per thread, stack
 frame and spill bytes.
@@ -136,9 +136,9 @@ def compile_variant(name: str, arch: int) -> tuple[Compiled, dict]:
     """Compile variant ``name`` for GPU ``arch`` in this process (which must not run the
     interpreter); returns the result and Triton's stage outputs (``ptx``, ``cubin``...)."""
     from compile_rng._torch import triton_internals
-    from compile_rng.stream import triton_kernels
+    from compile_rng.stream import accelerator_ops, triton_kernels
 
-    step = triton_kernels.specializations()[name]
+    step = accelerator_ops.specializations()[name]
     kernel = triton_kernels._stream_kernel
     bound = triton_internals.bind(kernel, arch, step.args, {**dict(step.constexprs), **triton_kernels.OPTIONS})
     start = time.perf_counter()

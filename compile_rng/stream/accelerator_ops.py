@@ -10,14 +10,19 @@ on CPU tensors under ``TRITON_INTERPRET=1`` (how the test suite checks it bitwis
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from compile_rng import stream
 from compile_rng._torch.torch_internals import OpOverload, TorchDispatchMode
 from compile_rng.stream import checks
+
+if TYPE_CHECKING:
+    from compile_rng.stream.triton_kernels import Launch
 
 DEVICE_TYPES = ("cuda", "xpu")
 
@@ -111,6 +116,45 @@ def _kernel(func: OpOverload) -> Callable | None:
     namespace, _, name = func.name().partition("::")
     return KERNELS.get(name) if namespace == "compile_rng" else None
 
+
+# --- the compiled variants ----------------------------------------------------------------
+
+#: The output dtypes an op can be asked for: continuous distributions take the float
+#: dtypes; bernoulli and integers any dtype compile_rng's ops accept (bool included).
+_ANY_DTYPE = (*stream.FLOAT_DTYPES, *stream.INT_DTYPES, torch.bool)
+#: ``randint`` spans that take each of its paths: modulo of one word; the ``c2 = 1`` high
+#: word; a span of exactly 2**63 (high word, no modulo).
+_RANDINT_SPANS = ((0, 10), (0, 2**40), (-(2**62), 2**62))
+#: A plain stream (the block path) and a strided window (the per-element path).
+_LAYOUTS = (([2, 8], [20, 1]), ([2, 8], [20, 2]))
+
+
+@functools.cache
+def specializations() -> dict[str, Launch]:
+    """One launch of every compiled variant of the Triton stream kernel that these ops can
+    launch, by :func:`~compile_rng.stream.triton_kernels.variant_name`: every op at every
+    dtype it takes, both layouts and every path, recorded from the ops' own argument
+    handling on small CPU tensors, nothing launched. A variant's identity is its
+    constexprs and tensor dtypes (see :mod:`compile_rng.stream.triton_kernels`);
+    ``tests/test_triton_aot.py`` checks that real launches find theirs here."""
+    tk = _kernels()
+    key = torch.zeros(2, dtype=torch.int64)
+    floats, everything = stream.FLOAT_DTYPES, _ANY_DTYPE
+    with tk.recording() as seen:
+        for size, strides in _LAYOUTS:
+            for dtype in floats:
+                uniform(key, 0, size, strides, -1.0, 1.0, dtype)
+                normal(key, 0, size, strides, 0.0, 1.0, dtype)
+                exponential(key, 0, size, strides, 1.0, dtype)
+                dropout(key, 0, torch.zeros(size, dtype=dtype), strides, 0.25)
+            for dtype in everything:
+                bernoulli(key, 0, size, strides, 0.5, dtype)
+                for p_dtype in floats:
+                    bernoulli_tensor(key, 0, torch.zeros(size, dtype=p_dtype), strides, dtype)
+                for low, high in _RANDINT_SPANS:
+                    randint(key, 0, size, strides, low, high, dtype)
+            random_bits(key, 0, size, strides)
+    return {tk.variant_name(step): step for step in seen}
 
 class _OnTriton(TorchDispatchMode):
     def __init__(self, device: str):

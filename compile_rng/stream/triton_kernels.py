@@ -24,7 +24,6 @@ the scalar reference. Import needs ``triton`` (``pip install compile_rng[gpu]``)
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -176,7 +175,7 @@ def _values(
 # Every scalar is typed int64 by annotation and no pointer is specialized on its alignment,
 # so a launch's compiled variant depends only on its constexprs and tensor dtypes, never
 # on argument values: an offset crossing 2**31 mid-training does not compile a new kernel,
-# and :func:`specializations` can list every variant. Alignment buys nothing here: element
+# and :func:`~compile_rng.stream.accelerator_ops.specializations` can list every variant. Alignment buys nothing here: element
 # addresses start at a runtime lane offset, so every load and store is scalar (same SASS
 # with and without it, checked on sm_90).
 @triton.jit(
@@ -339,7 +338,8 @@ _recorder: ContextVar[list[Launch] | None] = ContextVar("compile_rng_triton_reco
 @contextmanager
 def recording() -> Iterator[list[Launch]]:
     """Within the block :func:`launch` records its launches (the list yielded) and runs
-    nothing: how :func:`specializations` sees what the ops launch without a device."""
+    nothing: how :func:`~compile_rng.stream.accelerator_ops.specializations` sees what
+    the ops launch without a device."""
     seen: list[Launch] = []
     token = _recorder.set(seen)
     try:
@@ -363,15 +363,6 @@ def launch(op: int, out: torch.Tensor, key: torch.Tensor, offset: int, strides: 
 
 OP_NAMES = ("uniform", "normal", "exponential", "bernoulli", "bernoulli_tensor", "dropout", "randint", "random_bits")
 
-#: The output dtypes an op can be asked for: continuous distributions take the float
-#: dtypes; bernoulli and integers any dtype compile_rng's ops accept (bool included).
-_ANY_DTYPE = (*stream.FLOAT_DTYPES, *stream.INT_DTYPES, torch.bool)
-#: ``randint`` spans that take each of its paths: modulo of one word; the ``c2 = 1`` high
-#: word; a span of exactly 2**63 (high word, no modulo).
-_RANDINT_SPANS = ((0, 10), (0, 2**40), (-(2**62), 2**62))
-#: A plain stream (the block path) and a strided window (the per-element path).
-_LAYOUTS = (([2, 8], [20, 1]), ([2, 8], [20, 2]))
-
 
 def variant_name(step: Launch) -> str:
     """A readable name of the compiled variant a launch uses, e.g. ``dropout.float16.stream``
@@ -388,32 +379,3 @@ def variant_name(step: Launch) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def specializations() -> dict[str, Launch]:
-    """One launch of every compiled variant of :func:`_stream_kernel` that compile_rng's
-    accelerator ops can launch, by :func:`variant_name`: every op at every dtype it takes,
-    both layouts and every path, recorded from the ops' own argument handling
-    (:mod:`compile_rng.stream.accelerator_ops`) on small CPU tensors, nothing launched. A
-    variant's identity is its constexprs and tensor dtypes (see :func:`_stream_kernel`);
-    ``tests/test_triton_aot.py`` checks that real launches find theirs here."""
-    from compile_rng.stream import accelerator_ops as ao
-
-    key = torch.zeros(2, dtype=torch.int64)
-    floats, everything = stream.FLOAT_DTYPES, _ANY_DTYPE
-    with recording() as seen:
-        for size, strides in _LAYOUTS:
-            for dtype in floats:
-                ao.uniform(key, 0, size, strides, -1.0, 1.0, dtype)
-                ao.normal(key, 0, size, strides, 0.0, 1.0, dtype)
-                ao.exponential(key, 0, size, strides, 1.0, dtype)
-                ao.dropout(key, 0, torch.zeros(size, dtype=dtype), strides, 0.25)
-            for dtype in everything:
-                ao.bernoulli(key, 0, size, strides, 0.5, dtype)
-                for p_dtype in floats:
-                    ao.bernoulli_tensor(key, 0, torch.zeros(size, dtype=p_dtype), strides, dtype)
-                for low, high in _RANDINT_SPANS:
-                    ao.randint(key, 0, size, strides, low, high, dtype)
-            ao.random_bits(key, 0, size, strides)
-    return {variant_name(step): step for step in seen}
