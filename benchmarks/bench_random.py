@@ -91,7 +91,7 @@ def _fused_loop(fn: Callable[[], object]) -> Callable[[], object]:
     float32 streams under 256K elements and every other dtype stay a fused loop."""
     from unittest import mock
 
-    from compile_rng.stream import lowering
+    from compile_rng.ops import lowering
 
     compiled = torch.compile(fn, backend=compile_rng.backend())
 

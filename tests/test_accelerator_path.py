@@ -113,7 +113,7 @@ def test_a_compiled_cuda_graph_calls_the_triton_kernels_not_a_fused_loop():
     pytest.importorskip("triton")
     import fake_cuda_inductor
 
-    from compile_rng.stream import lowering
+    from compile_rng.ops import lowering
 
     assert lowering.FUSED_DEVICE_TYPES == ("cpu",)
     code = fake_cuda_inductor.generated_code(_dropout_graph, _DROPOUT_INPUTS)
@@ -155,7 +155,7 @@ def test_the_fused_lowerings_cuda_code_is_bitwise_and_compiles_for_sm90(monkeypa
 
     import fake_cuda_inductor
 
-    from compile_rng.stream import lowering
+    from compile_rng.ops import lowering
     from compile_rng import ops
 
     monkeypatch.setattr(lowering, "FUSED_DEVICE_TYPES", ("cpu", "cuda"))

@@ -10,7 +10,7 @@ import reference as ref
 import torch
 from helpers import BASES, SEEDS, ulp_distance
 
-import compile_rng.stream.lowering  # noqa: F401  (registers the lowerings)
+import compile_rng.ops.lowering  # noqa: F401  (registers the lowerings)
 from compile_rng import ops
 
 X = torch.randn(5, 37, dtype=torch.float32)
@@ -95,7 +95,7 @@ def test_one_compile_serves_every_key(compiled):
 def test_large_streams_take_the_c_kernel_with_the_same_bits():
     from compile_rng import stream
     from compile_rng.stream.cpu_kernel import philox_words
-    from compile_rng.stream.lowering import EXTERN_MIN_NUMEL
+    from compile_rng.ops.lowering import EXTERN_MIN_NUMEL
 
     n = EXTERN_MIN_NUMEL + 13  # the larger threshold: the C kernel whatever Inductor's ISA
     seed, base = 0xDEADBEEF12345678, 2**64 - 7  # crosses the counter wrap
@@ -128,7 +128,7 @@ def test_without_avx512_shorter_streams_take_the_c_kernel(monkeypatch, isa, exte
     either way."""
     import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
 
-    from compile_rng.stream import lowering
+    from compile_rng.ops import lowering
     from compile_rng.stream.cpu_kernel import fast_f32
 
     calls = []
@@ -152,7 +152,7 @@ def test_without_avx512_every_exact_op_takes_the_eager_op(monkeypatch, isa, exte
     strided). The same bits either way: both equal the eager op."""
     import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
 
-    from compile_rng.stream import lowering
+    from compile_rng.ops import lowering
 
     externs, extern_call = [], lowering._extern
     monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)

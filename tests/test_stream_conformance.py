@@ -16,7 +16,8 @@ import torch
 from helpers import f32, ref_tensor
 
 from compile_rng import ops, stream
-from compile_rng.stream import accelerator_ops, lowering  # noqa: F401  (each registers its implementation)
+from compile_rng.ops import lowering  # noqa: F401  (each registers its implementation)
+from compile_rng.stream import accelerator_ops  # noqa: F401
 
 # (seed, base): both halves of the key, a block-index carry across 2**32, counters past
 # 2**63 with a seed past 2**63, the counter wrapping past 2**64 inside an op.

@@ -53,7 +53,7 @@ class JointPass(torch_internals.CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         # Inductor lowers the graph after this pass; the lowerings are imported here, not
         # per compile: an AOTAutograd cache hit neither runs the pass nor needs them (1 s)
-        from compile_rng.stream import lowering  # noqa: F401
+        from compile_rng.ops import lowering  # noqa: F401
 
         functionalize_rng(graph, self.plan)
         if self.user_pass is not None:

@@ -14,7 +14,7 @@ counters the output's elements get:
 
 Values follow canonical stream v1 (:mod:`compile_rng.stream`). Each op has an eager CPU
 kernel here, a fake kernel for tracing, and an Inductor lowering in
-:mod:`compile_rng.stream.lowering`.
+:mod:`compile_rng.ops.lowering`.
 """
 
 from __future__ import annotations

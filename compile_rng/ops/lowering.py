@@ -47,7 +47,6 @@ from typing import Any
 import sympy
 import torch
 
-import compile_rng.ops  # noqa: F401  (defines torch.ops.compile_rng, lowered here)
 from compile_rng import stream
 from compile_rng._torch.torch_internals import (
     OpOverload,
