@@ -56,12 +56,12 @@ from typing import Any
 import sympy
 import torch
 from compile_rng._torch.torch_internals import detect_fake_mode, dynamo_module_call, dynamo_module_source
-from compile_rng.compiled.pending_key import SITE
 from compile_rng.passes.batch_rows import BatchRows
 from compile_rng.passes.dropout_backward import dropout_backward_from_stream
 from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of
 from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, RewrittenOp, RngPlan, Unsupported
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
+from compile_rng.semantics.pending_key import SITE
 from compile_rng.semantics.random_ops import RULES, RandomCall, draws, is_random, normalized_arguments, unsupported
 from compile_rng.semantics.spmd import contiguous_strides
 from torch import fx

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 import compile_rng
-from compile_rng.compiled import pending_key
+from compile_rng.semantics import pending_key
 
 
 def _live(kind: type) -> int:

@@ -42,6 +42,7 @@ from compile_rng.semantics.random_ops import (
     unsupported,
 )
 from compile_rng.semantics.named_draws import draw_position
+from compile_rng.semantics.pieces import Pieces
 from compile_rng.semantics.rows import batch_window, current_rows
 from compile_rng.stream import ceil4, contiguous_strides
 
@@ -79,21 +80,6 @@ def drawn_shape(func: OpOverload, args: tuple, kwargs: dict) -> list | None:
 def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
     """The device random op ``func`` draws on, from its arguments."""
     return _out_device(normalized_arguments(func, args, kwargs))
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """A local shard whose counters are affine only piecewise along ``dim`` (an uneven
-    ``_StridedShard``, :mod:`compile_rng.semantics.spmd`): ``pieces`` are ``(start, length,
-    offset, strides)``, in order, tiling ``dim``; element ``idx`` of the local slice
-    ``[start, start + length)`` of ``dim`` has counter ``offset + sum(idx * strides)``."""
-
-    dim: int
-    pieces: tuple
-
-    def shifted(self, delta: int) -> "Pieces":
-        """The same pieces ``delta`` counters further on."""
-        return Pieces(self.dim, tuple((s, n, offset + delta, strides) for s, n, offset, strides in self.pieces))
 
 
 class _TensorCall(RandomCall):

@@ -47,11 +47,12 @@ from compile_rng._torch.torch_internals import (
     traced_graph,
     traced_mesh_coordinate_of_rank,
 )
-from compile_rng.compiled.pending_key import SITE, Site, pending_key
-from compile_rng.eager.dispatch_modes import Pieces, RandomOpMode
+from compile_rng.eager.dispatch_modes import RandomOpMode
 from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
 from compile_rng.semantics.named_draws import draw_position
+from compile_rng.semantics.pending_key import SITE, Site, pending_key
+from compile_rng.semantics.pieces import Pieces
 from compile_rng.semantics.rows import batch_window, current_rows
 from compile_rng.stream import state
 

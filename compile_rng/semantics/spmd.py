@@ -12,7 +12,7 @@ tensor, so the assembled tensor is the same for every mesh, placement and world 
 (a plain tensor is the world-size-1 case). The local shard is then an affine window of
 the global index space: ``offset + sum(idx[d] * strides[d])`` - or, for an uneven
 ``_StridedShard`` (FSDP2 x TP on a dim the mesh does not divide), a concatenation along
-one dim of such windows (:class:`~compile_rng.eager.dispatch_modes.Pieces`).
+one dim of such windows (:class:`~compile_rng.semantics.pieces.Pieces`).
 
 The formulas use only ``+ * //`` (and the placement's own first-shard size), so one
 definition evaluates on ints (eager), on SymInts (tracing: coordinates are runtime
@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from compile_rng._torch.torch_internals import StridedShard, split_factor
-from compile_rng.eager.dispatch_modes import Pieces
+from compile_rng.semantics.pieces import Pieces
 from compile_rng.stream import ceil4, contiguous_strides
 
 # Placements that split a tensor dim across a mesh dim (_StridedShard is not a Shard).
