@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from compile_rng._torch import torch_internals
+from compile_rng import passes
 from compile_rng.passes.functionalize_rng import functionalize_rng
 from compile_rng.passes.plan import RngPlan
 
@@ -28,11 +29,9 @@ from compile_rng.passes.plan import RngPlan
 def source_hash() -> str:
     """A hash of compile_rng's sources (the pass, the rules, the lowerings, the kernels):
     everything that decides a compiled graph's code besides what Inductor hashes itself."""
-    import compile_rng
-    import compile_rng.passes
-
+    package = Path(__file__).parent.parent  # compile_rng/
     digest = hashlib.sha256(torch.__version__.encode())
-    for folder in (Path(compile_rng.__file__).parent, Path(compile_rng.passes.__file__).parent):
+    for folder in (package, Path(passes.__file__).parent):
         for path in sorted([*folder.rglob("*.py"), *folder.rglob("csrc/*.c")]):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()

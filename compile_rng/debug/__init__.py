@@ -1,2 +1,3 @@
-"""For people: reports of what the pass did (``report``, ``explaining``), graph dumps
-(``dumps``) and the ahead-of-time GPU compile check (``gpu_aot``)."""
+"""For people: reports of what the pass did (``report``; :mod:`compile_rng.compiled.explaining`
+runs the backend to fill one), graph dumps (``dumps``) and the ahead-of-time GPU compile
+check (``gpu_aot``). Below the backend, which writes the dumps."""
