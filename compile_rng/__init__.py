@@ -67,9 +67,9 @@ _PUBLIC = {
     "explain": ".compiled.explaining",
     "get_state": ".stream.state",
     "init": ".compiled.init_decorator",
-    "install": "._torch.installation",
+    "install": ".installation",
     "load_state_dict": ".stream.checkpointing",
-    "manual_seed": "._torch.installation",
+    "manual_seed": ".installation",
     "layout": ".semantics.layouts",
     "mode": ".semantics.layouts",
     "ops": None,
@@ -78,7 +78,7 @@ _PUBLIC = {
     "state_dict": ".stream.checkpointing",
     "step": ".eager.batches",
     "stream": None,
-    "uninstall": "._torch.installation",
+    "uninstall": ".installation",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
@@ -107,6 +107,6 @@ def _run_as_cli() -> bool:
 
 
 if not _run_as_cli():
-    from compile_rng._torch.installation import install as _install
+    from compile_rng.installation import install as _install
 
     _install()  # importing compile_rng opts torch's seeding and DTensor's meshes into its stream

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compile_rng
-from compile_rng._torch import installation
+from compile_rng import installation
 
 
 def _fresh(code: str) -> str:

@@ -1,7 +1,7 @@
 """The private-torch boundary, enforced on the syntax tree of every module.
 
 :mod:`compile_rng._torch.torch_internals` is the one home of every private read (torch's, and the
-one private stdlib function compile_rng calls); :mod:`compile_rng._torch.installation` is the one
+one private stdlib function compile_rng calls); :mod:`compile_rng.installation` is the one
 module that changes torch. Every module of ``compile_rng/`` and ``passes/`` is parsed
 (:mod:`ast`), and the scan fails, naming ``file:line``, on:
 
@@ -52,7 +52,7 @@ from compile_rng._torch import torch_internals
 ROOT = Path(__file__).parent.parent
 HOME = "compile_rng/_torch/torch_internals.py"
 TRITON_HOME = "compile_rng/_torch/triton_internals.py"
-INSTALLER = "compile_rng/_torch/installation.py"
+INSTALLER = "compile_rng/installation.py"
 MUTATORS = frozenset({
     "pop", "popitem", "clear", "update", "setdefault", "__setitem__", "__delitem__", "__setattr__",
     "__delattr__", "append", "extend", "insert", "remove", "add", "discard",

@@ -6,13 +6,15 @@ name starts with ``_`` (``torch._dynamo``, ``DTensor._op_dispatcher``), and Dyna
 undocumented fields (:data:`UNDOCUMENTED_FIELDS`); the one private stdlib function
 compile_rng calls (:func:`exit_skipping_teardown`) is here too.
 
-The changes compile_rng *makes* to torch live in :mod:`compile_rng._torch.installation`, which
+The changes compile_rng *makes* to torch live in :mod:`compile_rng.installation`, which
 reads them through this module, with two kinds of exception, listed for
 ``tests/test_torch_internals.py``:
 
-* :data:`TEMPORARY_PATCHES`: two cache patches that last only for the backend's own
-  compile (:func:`autograd_cache_keys`, :func:`rank_free_mesh_cache_keys`), which live
-  here beside what they patch;
+* :data:`TEMPORARY_PATCHES`, which live here beside what they patch: two cache patches
+  that last only for the backend's own compile (:func:`autograd_cache_keys`,
+  :func:`rank_free_mesh_cache_keys`), and two DTensor dispatch patches that last for one
+  op call (:func:`dtensor_dispatch_unhandled`) or a block (:func:`dtensor_operands_kept`),
+  which eager and traced code below the installer use;
 * :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
   (DTensor's tracker slot, handler table and dispatcher), which only the installer calls.
 
@@ -34,6 +36,7 @@ import functools
 import importlib
 import os
 import re
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,7 +84,9 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "graph_compile_id",
     "exit_skipping_teardown",
     "dispatch_mode_stack",
+    "dtensor_dispatch_unhandled",
     "dtensor_op_dispatcher",
+    "dtensor_operands_kept",
     "dtensor_op_handlers",
     "dtensor_random",
     "dtensor_rng_tracker_base",
@@ -119,12 +124,14 @@ __all__ = [  # and the lazy names of _LAZY, added below
 
 # --- the boundary's lists (tests/test_torch_internals.py reads them) ---------------------
 
-#: Functions of this module that change torch for the length of a ``with`` block inside
-#: the backend's own compile (run under Dynamo's compile lock): each is named in the
-#: module docstring. Every other change to torch is made by compile_rng._torch.installation.
-TEMPORARY_PATCHES: tuple[str, ...] = ("autograd_cache_keys", "rank_free_mesh_cache_keys")
+#: Functions of this module that change torch for one call or the length of a ``with``
+#: block: each is named in the module docstring. Every other change to torch is made by
+#: compile_rng.installation.
+TEMPORARY_PATCHES: tuple[str, ...] = (
+    "autograd_cache_keys", "rank_free_mesh_cache_keys", "dtensor_dispatch_unhandled", "dtensor_operands_kept",
+)
 
-#: Accessors that set or hand out torch's mutable state: only compile_rng._torch.installation
+#: Accessors that set or hand out torch's mutable state: only compile_rng.installation
 #: calls them (DTensor's tracker slot, its per-op handler table, its op dispatcher).
 INSTALLER_ONLY: tuple[str, ...] = ("set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher")
 
@@ -489,8 +496,8 @@ def dtensor_dispatch() -> Any:
 
 def dtensor_op_dispatcher() -> Any:
     """DTensor's op dispatcher (``DTensor._op_dispatcher``, an ``OpDispatcher``; checked
-    on torch 2.13.0 and 2.15.0): the installer wraps its ``redistribute_local_args``
-    for a block (``installation.dtensor_operands_kept``)."""
+    on torch 2.13.0 and 2.15.0): :func:`dtensor_operands_kept` wraps its
+    ``redistribute_local_args`` for a block."""
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher
@@ -500,6 +507,55 @@ def dtensor_op_handlers() -> dict:
     """DTensor's per-op custom handlers (in-place random ops DTensor runs without a
     tracker region get one that opens it)."""
     return dtensor_op_dispatcher()._custom_op_handlers
+
+
+# one thread at a time steps a handler out of the shared table and back
+_handlers_lock = threading.RLock()
+
+
+def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
+    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
+    handler table on every op, so the handler steps out of it for this one call."""
+    handlers = dtensor_op_handlers()
+    with _handlers_lock:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
+
+
+@contextlib.contextmanager
+def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
+    """Inside the block DTensor's dispatch raises ``error`` where it would change an
+    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
+    a change of non-tensor arguments only - a view's global sizes made local - still
+    runs). :mod:`compile_rng.compiled.local_shards` runs a plain program's ops on DTensors this
+    way: the local op computes a shard of the DTensor op only where nothing moves."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    dispatcher = dtensor_op_dispatcher()
+    stock = dispatcher.redistribute_local_args
+
+    def specs(args: Any) -> list:
+        return [s for s in tree_leaves(args) if isinstance(s, DTensorSpec)]
+
+    def moves(before: Any, after: Any) -> bool:
+        # an empty operand (a KV cache's first torch.cat) has no data to move
+        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
+
+    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
+        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
+        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
+            raise error(f"{op_info.schema} needs {suggested}")
+        return stock(op_info, suggested, use_val)
+
+    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
+    try:
+        yield
+    finally:
+        del dispatcher.redistribute_local_args
 
 
 def dtensor_spec(dtensor: Any) -> Any:

@@ -20,7 +20,7 @@ rank stops after its own shard is in range and the ranks' RNG states drift apart
 over the mesh, so all ranks advance alike; each element's value is unchanged (it is
 its first in-range draw either way).
 
-Installed as ``torch.nn.init.trunc_normal_`` on import (:mod:`compile_rng._torch.installation`). It takes over for DTensors on
+Installed as ``torch.nn.init.trunc_normal_`` on import (:mod:`compile_rng.installation`). It takes over for DTensors on
 CPU meshes and for plain tensors inside compile_rng's stream (``@compile_rng.init``,
 ``eager_stream``): float32 on CPU as above; other dtypes and devices run torch's loop
 (whole redraws), and narrow truncation (at most 30% of the mass in ``[a, b]``) torch's

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from compile_rng._torch import installation
-from compile_rng._torch.torch_internals import distribute_region, dtensor_spec, rng_tracker
+from compile_rng._torch.torch_internals import distribute_region, dtensor_dispatch_unhandled, dtensor_spec, rng_tracker
 from compile_rng.stream import state
 
 aten = torch.ops.aten
@@ -57,7 +56,7 @@ def _local_operand(op_call, target: Any, a: Any) -> Any:
 def inplace_handler(op_call, args, kwargs):
     target = args[0]
     if not state.serves(target.device_mesh):
-        return installation.dtensor_dispatch_unhandled(op_call, args, kwargs)
+        return dtensor_dispatch_unhandled(op_call, args, kwargs)
     if target.device_mesh.get_coordinate() is None:
         # Like DTensor's own dispatch: a rank outside the mesh holds no shard, runs
         # nothing and does not advance its state.

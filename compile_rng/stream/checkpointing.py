@@ -8,7 +8,7 @@
   seeded apart) need ``per_rank=True`` (one key per rank; resume on the same ranks);
   without it, saving checks that every rank agrees and raises if not.
 * ``torch.random.fork_rng()`` forks compile_rng's CPU stream too
-  (:mod:`compile_rng._torch.installation`): the block's draws do not move the stream outside it.
+  (:mod:`compile_rng.installation`): the block's draws do not move the stream outside it.
 """
 
 from __future__ import annotations

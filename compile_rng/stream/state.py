@@ -1,7 +1,7 @@
 """The Philox state ``(seed, offset)`` per device type, both uint64 (docs/contract.md §1).
 
 On CPU, whose generator is not counter-based, compile_rng keeps the state itself
-(:mod:`compile_rng._torch.installation` makes ``torch.manual_seed`` restart it). On CUDA (and
+(:mod:`compile_rng.installation` makes ``torch.manual_seed`` restart it). On CUDA (and
 XPU) the state *is* the current device's generator's Philox state (``initial_seed()``,
 ``get_offset()``), so compile_rng ops and eager CUDA ops share one stream, and
 ``torch.manual_seed`` restarts it.

@@ -29,14 +29,10 @@ The DTensor items are made when ``torch.distributed.tensor`` is imported (at onc
 already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
 within a third of ``import torch``.
 
-Two changes last for a call or a block, not for the installation:
-
-* :func:`dtensor_dispatch_unhandled`: compile_rng's handler of one in-place random op
-  steps out of DTensor's handler table for one call (DTensor's own dispatch of an op on
-  a mesh compile_rng does not serve), and back;
-* :func:`dtensor_operands_kept`: DTensor's ``OpDispatcher.redistribute_local_args``
-  wrapped for a block, to refuse an operand's redistribution
-  (:mod:`compile_rng.semantics.shard_layouts`).
+The changes that last for a call or a block, not for the installation, are made by the
+layers below that need them, through :mod:`compile_rng._torch.torch_internals`
+(its ``TEMPORARY_PATCHES``). This module sits above every layer it wires
+(``tests/test_import_structure.py``); the package's ``__init__`` runs :func:`install`.
 
 ``tests/test_torch_internals.py`` fails on a change to torch made anywhere else.
 """
@@ -48,18 +44,17 @@ import functools
 import importlib
 import inspect
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from compile_rng._torch import torch_internals
-from compile_rng._torch.import_hooks import after_import, cancel_pending
-from compile_rng.eager import trunc_normal
-from compile_rng.semantics import local_values
 from compile_rng import stream
+from compile_rng._torch import torch_internals
+from compile_rng.eager import trunc_normal
+from compile_rng.import_hooks import after_import, cancel_pending
+from compile_rng.semantics import local_values
 from compile_rng.stream import state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
@@ -110,7 +105,7 @@ def uninstall() -> None:
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
         torch.random.fork_rng = _stock["fork_rng"]
     if "rng_tracker" in _stock:
-        from compile_rng.eager import unrouted_ops
+        from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
         torch_internals.set_rng_tracker(_stock["rng_tracker"])
         torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
@@ -187,7 +182,7 @@ def _install_tracker(tracker: ModuleType) -> None:
         dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
         DTensor.to_local = _to_local_hook(DTensor.to_local)
     torch_internals.set_rng_tracker(tracker.TRACKER)
-    from compile_rng.eager import unrouted_ops
+    from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
     handlers = torch_internals.dtensor_op_handlers()
     for op in unrouted_ops.UNROUTED:
@@ -219,52 +214,3 @@ def _rng_supported_mesh(stock: Callable, tracker: ModuleType) -> Callable:
         return stock(device_mesh)
 
     return is_rng_supported_mesh
-
-
-# --- changes for a call or a block ----------------------------------------------------
-
-_handlers_lock = threading.RLock()
-
-
-def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
-    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
-    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
-    handler table on every op, so the handler steps out of it for this one call."""
-    handlers = torch_internals.dtensor_op_handlers()
-    with _handlers_lock:
-        mine = handlers.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = mine
-
-
-@contextlib.contextmanager
-def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
-    """Inside the block DTensor's dispatch raises ``error`` where it would change an
-    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
-    a change of non-tensor arguments only - a view's global sizes made local - still
-    runs). :mod:`compile_rng.compiled.local_shards` runs a plain program's ops on DTensors this
-    way: the local op computes a shard of the DTensor op only where nothing moves."""
-    dispatcher = torch_internals.dtensor_op_dispatcher()
-    stock = dispatcher.redistribute_local_args
-    spec_type = torch_internals.DTensorSpec
-
-    def specs(args: Any) -> list:
-        return [s for s in torch_internals.tree_leaves(args) if isinstance(s, spec_type)]
-
-    def moves(before: Any, after: Any) -> bool:
-        # an empty operand (a KV cache's first torch.cat) has no data to move
-        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
-
-    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
-        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
-        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
-            raise error(f"{op_info.schema} needs {suggested}")
-        return stock(op_info, suggested, use_val)
-
-    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
-    try:
-        yield
-    finally:
-        del dispatcher.redistribute_local_args
