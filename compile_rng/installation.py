@@ -197,6 +197,8 @@ def _to_local_hook(stock: Callable) -> Callable:
     def to_local(self, *, grad_placements=None):
         result = stock(self, grad_placements=grad_placements)
         if local_values.is_recording() and any(not p.is_replicate() for p in self.placements):
+            from compile_rng.eager import eager_shards  # noqa: F401  (runs the eager ops on the piece)
+
             local_values.record(result, local_values.Layout.of(self))
         return result
 

@@ -85,6 +85,8 @@ class LocalPieces:
 
     def record(self, outputs: Any) -> Any:
         if self.outputs is not None and local_values.is_recording():
+            from compile_rng.eager import eager_shards  # noqa: F401  (runs the eager ops on the pieces)
+
             for value, layout in zip(outputs, self.outputs):
                 local_values.record(value, layout)
         return outputs

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +124,19 @@ class Counters:
     size: tuple[int, ...]
 
 
+#: How an eager op on a tensor-parallel rank's local piece of a DTensor runs:
+#: :mod:`compile_rng.eager.eager_shards` registers it (it imports DTensor; plain-tensor
+#: code never needs it), imported by whatever records such pieces (the installer's
+#: ``to_local`` hook, the backend's graphs).
+_local_piece_dispatch: list[Callable] = []
+
+
+def register_local_piece_dispatch(dispatch: Callable) -> None:
+    """``dispatch(func, args, kwargs)`` runs each op :class:`RandomOpMode` meets on a
+    tensor :mod:`compile_rng.semantics.local_values` recorded (idempotent)."""
+    _local_piece_dispatch[:] = [dispatch]
+
+
 _counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
 
 
@@ -164,10 +177,9 @@ class RandomOpMode(TorchDispatchMode):
         if self.plain_only and any(t is not torch.Tensor for t in types):
             return func(*args, **kwargs)
         if self.plain_only and local_values.touches((args, kwargs)):
-            # a tensor-parallel rank's local piece of a DTensor (imports DTensor: it exists)
-            from compile_rng.eager import eager_shards
-
-            return eager_shards.dispatch(func, args, kwargs)
+            # a tensor-parallel rank's local piece of a DTensor: recorded only once DTensor
+            # exists, so its dispatch (which imports DTensor) has registered by then
+            return _local_piece_dispatch[0](func, args, kwargs)
         if functional not in RULES:
             if is_random(func):
                 kw = normalized_arguments(func, args, kwargs)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from compile_rng._torch.torch_internals import distribute_region, dtensor_spec, tree_leaves, tree_map
 from compile_rng.eager import tracker
-from compile_rng.eager.dispatch_modes import drawn_shape
+from compile_rng.eager.dispatch_modes import drawn_shape, register_local_piece_dispatch
 from compile_rng.semantics.local_values import Layout, Lost, lookup, record
 from compile_rng.semantics.random_ops import INPLACE
 from compile_rng.semantics.shard_layouts import SizeArgument, is_sharded, propagate
@@ -126,3 +126,6 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     for t, value in zip(leaves, values):
         record(t, Layout.of(value) if is_sharded(value) else (value if isinstance(value, Lost) else None))
     return out
+
+
+register_local_piece_dispatch(dispatch)
