@@ -68,8 +68,8 @@ import compile_rng  # noqa: E402
 from compile_rng.stream import cpu_kernel  # noqa: E402
 from compile_rng import ops  # noqa: E402
 from compile_rng.launch import progress  # noqa: E402
-from compile_rng._torch import torch_internals  # noqa: E402
-from compile_rng._torch.torch_internals import inductor_vector_isa  # noqa: E402
+from compile_rng._torch import inductor_internals  # noqa: E402
+from compile_rng._torch.inductor_internals import inductor_vector_isa  # noqa: E402
 
 
 def timeit(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -225,7 +225,7 @@ def main() -> None:
           + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if os.environ.get("ATEN_CPU_CAPABILITY") else ""))
     dtype = getattr(torch, args.dtype)
     # --fused compiles the same graphs twice with different code: no cache may answer
-    with torch_internals.inductor_caches_off() if args.fused else contextlib.nullcontext():
+    with inductor_internals.inductor_caches_off() if args.fused else contextlib.nullcontext():
         rows = [row for isa in isas for row in run(args.size, args.repeat, threads, isa, dtype, args.fused)]
     print_table(rows, args.size, cpu, dtype)
     with open(args.json, "w") as f:

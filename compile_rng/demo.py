@@ -135,7 +135,7 @@ def explain_target(world: int = 4):
     (no communication): what ``python -m compile_rng explain`` reports on."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from compile_rng._torch.torch_internals import fake_store
+    from compile_rng._torch.distributed_internals import fake_store
 
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())

@@ -24,13 +24,13 @@ tracker's offsets it runs the op in the tracker's region    ops through it, not 
 stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager.eager_shards`)
 ==========================================================  ========================================
 
-The private torch names these touch are read through :mod:`compile_rng._torch.torch_internals`.
+The private torch names these touch are read through :mod:`compile_rng._torch`'s homes.
 The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
 already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
 within a third of ``import torch``.
 
 The changes that last for a call or a block, not for the installation, are made by the
-layers below that need them, through :mod:`compile_rng._torch.torch_internals`
+layers below that need them, through :mod:`compile_rng._torch`
 (its ``TEMPORARY_PATCHES``). This module sits above every layer it wires
 (``tests/test_import_structure.py``); the package's ``__init__`` runs :func:`install`.
 
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from compile_rng import stream
-from compile_rng._torch import torch_internals
+from compile_rng._torch import dtensor_internals, dynamo_internals
 from compile_rng.eager import trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
@@ -99,7 +99,7 @@ def uninstall() -> None:
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
             # Dynamo, imported after install(), wrapped our hook in torch._disable_dynamo
             # (torch/_dynamo/__init__.py, 2.13-2.15); keep its wrapper around torch's own.
-            torch.manual_seed = torch_internals.disable_dynamo(_stock["manual_seed"])
+            torch.manual_seed = dynamo_internals.disable_dynamo(_stock["manual_seed"])
         else:
             torch.manual_seed = _stock["torch_manual_seed"]
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
@@ -107,13 +107,13 @@ def uninstall() -> None:
     if "rng_tracker" in _stock:
         from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
-        torch_internals.set_rng_tracker(_stock["rng_tracker"])
-        torch_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
-        torch_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
+        dtensor_internals.set_rng_tracker(_stock["rng_tracker"])
+        dtensor_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
+        dtensor_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
         from torch.distributed.tensor import DTensor
 
         DTensor.to_local = _stock["to_local"]
-        handlers = torch_internals.dtensor_op_handlers()
+        handlers = dtensor_internals.dtensor_op_handlers()
         for op in unrouted_ops.UNROUTED:
             if handlers.get(op) is unrouted_ops.inplace_handler:
                 del handlers[op]
@@ -169,22 +169,22 @@ def _import_tracker(_dtensor: ModuleType) -> None:
 def _install_tracker(tracker: ModuleType) -> None:
     # Again on every install(): torch's own code may have replaced the tracker (tests
     # reset _rng_tracker; DTensor's manual_seed creates one where it finds none).
-    dtensor_random = torch_internals.dtensor_random()
+    dtensor_random = dtensor_internals.dtensor_random()
     if "rng_tracker" not in _stock:
         from torch.distributed.tensor import DTensor
 
-        dispatch = torch_internals.dtensor_dispatch()
+        dispatch = dtensor_internals.dtensor_dispatch()
         _stock.update(
-            rng_tracker=torch_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
+            rng_tracker=dtensor_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
             run_dtensor_rng_op=dispatch.run_dtensor_rng_op, to_local=DTensor.to_local,
         )
         dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
         dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
         DTensor.to_local = _to_local_hook(DTensor.to_local)
-    torch_internals.set_rng_tracker(tracker.TRACKER)
+    dtensor_internals.set_rng_tracker(tracker.TRACKER)
     from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
-    handlers = torch_internals.dtensor_op_handlers()
+    handlers = dtensor_internals.dtensor_op_handlers()
     for op in unrouted_ops.UNROUTED:
         handlers[op] = unrouted_ops.inplace_handler
 

@@ -39,9 +39,9 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> Non
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo's threads can abort it ("terminate called without
     # an active exception") after the body has passed. Failures raise before this line.
-    from compile_rng._torch import torch_internals
+    from compile_rng._torch import distributed_internals
 
-    torch_internals.exit_skipping_teardown()  # multiprocessing's own exit step still runs
+    distributed_internals.exit_skipping_teardown()  # multiprocessing's own exit step still runs
 
 
 def torchrun_world() -> int | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import FloorDiv
+from compile_rng._torch.core_internals import FloorDiv
 from compile_rng.passes.graph_nodes import call, source_of
 from compile_rng.passes.plan import BATCH_SYMBOLS, ROW_START, ROWS_TOTAL, RngPlan
 from compile_rng.passes.sym_emit import SymEmitter

@@ -55,7 +55,8 @@ from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import detect_fake_mode, dynamo_module_call, dynamo_module_source
+from compile_rng._torch.core_internals import detect_fake_mode
+from compile_rng._torch.dynamo_internals import dynamo_module_call, dynamo_module_source
 from compile_rng.passes.batch_rows import BatchRows
 from compile_rng.passes.dropout_backward import dropout_backward_from_stream
 from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of

@@ -7,14 +7,8 @@ from typing import Any
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import (
-    FloorDiv,
-    detect_fake_mode,
-    dynamo_module_call,
-    dynamo_module_path,
-    dynamo_module_source,
-    tree_leaves,
-)
+from compile_rng._torch.core_internals import FloorDiv, detect_fake_mode, tree_leaves
+from compile_rng._torch.dynamo_internals import dynamo_module_call, dynamo_module_path, dynamo_module_source
 from torch import fx
 
 

@@ -10,7 +10,7 @@ import operator
 
 import sympy
 import torch
-from compile_rng._torch.torch_internals import CeilDiv, FloorDiv, Mod, PythonMod
+from compile_rng._torch.core_internals import CeilDiv, FloorDiv, Mod, PythonMod
 from torch import fx
 
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 import compile_rng
 from compile_rng.eager import dispatch_modes, tracker
 from compile_rng.compiled import key_input
-from compile_rng._torch import torch_internals
+from compile_rng._torch import dtensor_internals
 
 WORLD = 4
 aten = torch.ops.aten
@@ -58,13 +58,13 @@ def test_the_hook_leaves_other_offsets_to_torch_and_uninstall_restores_it():
     calls = []
     hook = tracker.run_dtensor_rng_op_hook(lambda *a, **k: calls.append((a, k)) or "stock")
     assert hook(0, 8, aten.rand.default, [2]) == "stock" and calls == [((0, 8, aten.rand.default, [2]), {})]
-    installed = torch_internals.dtensor_dispatch().run_dtensor_rng_op
+    installed = dtensor_internals.dtensor_dispatch().run_dtensor_rng_op
     compile_rng.uninstall()
     try:
-        assert torch_internals.dtensor_dispatch().run_dtensor_rng_op is installed._compile_rng_stock
+        assert dtensor_internals.dtensor_dispatch().run_dtensor_rng_op is installed._compile_rng_stock
     finally:
         compile_rng.install()
-    assert torch_internals.dtensor_dispatch().run_dtensor_rng_op._compile_rng_stock is installed._compile_rng_stock
+    assert dtensor_internals.dtensor_dispatch().run_dtensor_rng_op._compile_rng_stock is installed._compile_rng_stock
 
 
 def test_a_cuda_graph_gets_a_cuda_key_and_only_functional_ops():

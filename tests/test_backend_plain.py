@@ -188,12 +188,12 @@ def test_backend_arguments_are_checked(kw):
 
 
 def test_torch_compile_mode_and_options_reach_inductor(monkeypatch):
-    from compile_rng._torch import torch_internals
+    from compile_rng._torch import inductor_internals
 
     seen, user_pass_calls = [], []
-    real = torch_internals.inductor_compile
+    real = inductor_internals.inductor_compile
     monkeypatch.setattr(
-        torch_internals, "inductor_compile", lambda gm, inputs, patches, dec: seen.append(patches) or real(gm, inputs, patches, dec)
+        inductor_internals, "inductor_compile", lambda gm, inputs, patches, dec: seen.append(patches) or real(gm, inputs, patches, dec)
     )
     options = {"epilogue_fusion": False, "joint_custom_pre_pass": user_pass_calls.append}
     # torch.compile takes mode or options, not both

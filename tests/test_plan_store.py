@@ -129,7 +129,7 @@ def test_the_mesh_cache_key_is_rank_free_inside_compile_rng_compiles_only():
     from torch._library.fake_class_registry import FakeScriptObject
     from torch.distributed.device_mesh import DeviceMesh
 
-    from compile_rng._torch import torch_internals
+    from compile_rng._torch import dynamo_internals, inductor_internals
 
     def key_bytes(rank: int) -> bytes:
         with fake_rank(rank, 4):
@@ -140,6 +140,6 @@ def test_the_mesh_cache_key_is_rank_free_inside_compile_rng_compiles_only():
 
     stock = (FxGraphCachePickler.__dict__["_reduce_fake_script_object"], aot_cache.autograd_cache_key)
     assert key_bytes(0) != key_bytes(3)  # torch's key: the rank is in it
-    with torch_internals.rank_free_mesh_cache_keys(), torch_internals.autograd_cache_keys(""):
+    with inductor_internals.rank_free_mesh_cache_keys(), dynamo_internals.autograd_cache_keys(""):
         assert key_bytes(0) == key_bytes(3)
     assert (FxGraphCachePickler.__dict__["_reduce_fake_script_object"], aot_cache.autograd_cache_key) == stock

@@ -1,8 +1,10 @@
 """The private-torch boundary, enforced on the syntax tree of every module.
 
-:mod:`compile_rng._torch.torch_internals` is the one home of every private read (torch's, and the
-one private stdlib function compile_rng calls); :mod:`compile_rng.installation` is the one
-module that changes torch. Every module of ``compile_rng/`` and ``passes/`` is parsed
+:mod:`compile_rng._torch`'s homes (``core_internals``, ``dynamo_internals``,
+``inductor_internals``, ``dtensor_internals``, ``distributed_internals``: one per torch
+subsystem) are the one home of every private read (torch's, and the one private stdlib
+function compile_rng calls); :mod:`compile_rng.installation` is the one module that
+changes torch. Every module of ``compile_rng/`` and ``passes/`` is parsed
 (:mod:`ast`), and the scan fails, naming ``file:line``, on:
 
 1. **a private attribute** - ``x._foo`` (one leading underscore, not a dunder) - unless
@@ -17,24 +19,25 @@ module that changes torch. Every module of ``compile_rng/`` and ``passes/`` is p
    homes' own package, ``compile_rng._torch``, excepted) - or a string naming a private torch module
    (``"torch._dynamo"``: ``importlib.import_module``, loggers);
 3. **Dynamo's undocumented fields**: a string holding a Dynamo source (``L['x']``), and the
-   names in ``torch_internals.UNDOCUMENTED_FIELDS`` as attributes or strings;
+   names in ``dynamo_internals.UNDOCUMENTED_FIELDS`` as attributes or strings;
 4. **a private name in torch's namespace**: in a class deriving from a torch class, a private
    method or ``self._x`` field is torch's (it overrides one, or may collide with one in a later
-   torch) unless listed, with its reason, in ``torch_internals.PRIVATE_OVERRIDES``;
+   torch) unless listed, with its reason, in ``PRIVATE_OVERRIDES``;
 5. **a change to torch** outside ``installation.py``: an assignment, augmented assignment or
    ``del`` of an attribute or item of a torch object, ``setattr``/``delattr`` on one, or a
    mutating method (``pop``, ``update``, ``__setitem__``, ...) called on one (not on a name
    imported from torch: ``ops.add`` of Inductor's op handler is a function). A torch object
-   is a name imported from torch or from ``torch_internals``, an attribute or item of one,
-   the result of calling a ``torch_internals`` accessor (calling a torch API makes a new
+   is a name imported from torch or from a home, an attribute or item of one,
+   the result of calling a home's accessor (calling a torch API makes a new
    object: a tensor compile_rng fills is not torch), and a local name assigned one of those.
-   Inside ``torch_internals.py`` changes are allowed only in the functions of
-   ``TEMPORARY_PATCHES`` (lasting for the backend's own compile, each named in the module's
-   docstring) and ``INSTALLER_ONLY`` (setters only ``installation.py`` may call).
+   Inside a home changes are allowed only in its functions of ``TEMPORARY_PATCHES``
+   (lasting for one call or block: the backend's own compile, a DTensor dispatch; each
+   named in its home's docstring) and ``INSTALLER_ONLY`` (setters only ``installation.py``
+   may call).
 
-``torch_internals.py`` is exempt from 1-4 (it is the home); ``triton_internals.py``, the home
-of Triton's private API, is exempt from 1 and 4 only. The allow-lists live in
-``torch_internals``, not here.
+The homes are exempt from 1-4; ``triton_internals.py``, the home of Triton's private API,
+is exempt from 1 and 4 only. The allow-lists live in :mod:`compile_rng._torch` (Dynamo's
+fields in ``dynamo_internals``), not here.
 """
 
 from __future__ import annotations
@@ -47,10 +50,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_rng._torch import torch_internals
+import compile_rng._torch as boundary
+from compile_rng._torch import (
+    core_internals,
+    distributed_internals,
+    dtensor_internals,
+    dynamo_internals,
+    inductor_internals,
+)
 
 ROOT = Path(__file__).parent.parent
-HOME = "compile_rng/_torch/torch_internals.py"
+#: module name -> the home (a module of compile_rng._torch)
+HOME_MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (
+    core_internals, dynamo_internals, inductor_internals, dtensor_internals, distributed_internals,
+)}
+HOMES = {f"compile_rng/_torch/{name}.py" for name in HOME_MODULES}
+HOME_DOTTED = {f"compile_rng._torch.{name}" for name in HOME_MODULES}
 TRITON_HOME = "compile_rng/_torch/triton_internals.py"
 INSTALLER = "compile_rng/installation.py"
 MUTATORS = frozenset({
@@ -86,7 +101,7 @@ class Module:
     path: str  # relative to the repository root
     tree: ast.Module
     torch_names: set[str] = field(default_factory=set)  # names imported from torch
-    home_names: set[str] = field(default_factory=set)  # names imported from torch_internals (or it)
+    home_names: set[str] = field(default_factory=set)  # names imported from a home (or the home)
     op_namespaces: set[str] = field(default_factory=set)  # module-level names bound to torch.ops.X
 
     @classmethod
@@ -99,17 +114,17 @@ class Module:
                     bound = alias.asname or top
                     if top == "torch":
                         module.torch_names.add(bound)
-                    elif alias.name == "compile_rng._torch.torch_internals":
+                    elif alias.name in HOME_DOTTED:
                         module.home_names.add(bound)
             elif isinstance(node, ast.ImportFrom):
                 names = {a.asname or a.name for a in node.names}
                 if node.level == 0 and (node.module or "").split(".")[0] == "torch":
                     module.torch_names |= names
-                elif node.module in ("torch_internals", "compile_rng._torch.torch_internals"):
+                elif node.module in HOME_DOTTED or (node.level and node.module in HOME_MODULES):
                     module.home_names |= names
-                elif node.module == "compile_rng._torch" and "torch_internals" in names:
-                    module.home_names.add("torch_internals")
-        if path == HOME:  # its own functions are the accessors of torch's state
+                elif node.module == "compile_rng._torch":
+                    module.home_names |= names & set(HOME_MODULES)
+        if path in HOMES:  # its own functions are the accessors of torch's state
             module.home_names |= {n.name for n in module.tree.body if isinstance(n, ast.FunctionDef)}
         for node in module.tree.body:
             if isinstance(node, ast.Assign) and module.is_op_namespace(node.value):
@@ -126,7 +141,7 @@ class Module:
         )
 
     def is_namespace(self, node: ast.AST) -> bool:
-        """A module, class or op namespace imported from torch or torch_internals: its
+        """A module, class or op namespace imported from torch or a home: its
         ``add`` or ``update`` is a function (``ops.add`` of Inductor's ops), not a mutation."""
         imported = isinstance(node, ast.Name) and (node.id in self.torch_names or node.id in self.home_names)
         return imported or self.is_op_namespace(node)
@@ -135,7 +150,7 @@ class Module:
         """Whether ``node`` is a torch object (rule 5 of the module docstring)."""
         while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
             if isinstance(node, ast.Call):
-                # a call hands back torch's state only when it is a torch_internals accessor
+                # a call hands back torch's state only when it is a home's accessor
                 root = _root(node.func)
                 return isinstance(root, ast.Name) and root.id in self.home_names
             node = node.value
@@ -144,7 +159,7 @@ class Module:
         )
 
     def torch_derived_classes(self, known: set[str]) -> dict[str, ast.ClassDef]:
-        """Classes with a base from torch (or torch_internals), or from a class in ``known``."""
+        """Classes with a base from torch (or a home), or from a class in ``known``."""
         found = {}
         for node in ast.walk(self.tree):
             if isinstance(node, ast.ClassDef):
@@ -194,7 +209,7 @@ def own_private_names(modules: list[Module], derived: dict[str, dict[str, ast.Cl
     """The private names compile_rng binds (rule 1 of the module docstring)."""
     own: set[str] = set()
     for m in modules:
-        if m.path in (HOME, TRITON_HOME):
+        if m.path in HOMES or m.path == TRITON_HOME:
             continue
         torch_methods = {id(f) for c in derived[m.path].values() for f in _methods(c)}
         defined = {n.name for n in ast.walk(m.tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
@@ -278,13 +293,13 @@ def boundary_violations(modules: list[Module]) -> list[str]:
     """Every ``file:line: rule: what`` the module docstring's rules find."""
     derived = _torch_derived(modules)
     own = own_private_names(modules, derived)
-    overrides = {(path, cls, name) for path, cls, name, _reason in torch_internals.PRIVATE_OVERRIDES}
-    undocumented = set(torch_internals.UNDOCUMENTED_FIELDS)
+    overrides = {(path, cls, name) for path, cls, name, _reason in boundary.PRIVATE_OVERRIDES}
+    undocumented = set(dynamo_internals.UNDOCUMENTED_FIELDS)
     out = []
     for m in modules:
         report = lambda node, rule, what, m=m: out.append(f"{m.path}:{node.lineno}: {rule}: {what}")  # noqa: E731
         docstrings = _docstrings(m.tree)
-        if m.path != HOME:
+        if m.path not in HOMES:
             for node in ast.walk(m.tree):
                 if isinstance(node, ast.Attribute) and _private(node.attr) and m.path != TRITON_HOME:
                     if m.is_op_namespace(node.value):
@@ -311,20 +326,21 @@ def boundary_violations(modules: list[Module]) -> list[str]:
                         report(node, "undocumented Dynamo field", repr(node.value))
                 if isinstance(node, ast.Attribute) and node.attr in undocumented:
                     report(node, "undocumented Dynamo field", ast.unparse(node))
-                if isinstance(node, ast.Name) and node.id in torch_internals.INSTALLER_ONLY and m.path != INSTALLER:
+                if isinstance(node, ast.Name) and node.id in boundary.INSTALLER_ONLY and m.path != INSTALLER:
                     report(node, "installer-only setter used", node.id)
-                if (isinstance(node, ast.Attribute) and node.attr in torch_internals.INSTALLER_ONLY
+                if (isinstance(node, ast.Attribute) and node.attr in boundary.INSTALLER_ONLY
                         and m.path != INSTALLER and m.torch_rooted(node.value, set())):
                     report(node, "installer-only setter used", ast.unparse(node))
-        if m.path not in (HOME, TRITON_HOME):
+        if m.path not in HOMES and m.path != TRITON_HOME:
             for cls in derived[m.path].values():
                 names = [(f, f.name) for f in _methods(cls)] + list(_self_stores(cls))
                 for node, name in names:
                     if _private(name) and (m.path, cls.name, name) not in overrides:
                         report(node, "private name in a torch class", f"{cls.name}.{name}")
         if m.path != INSTALLER:
-            allowed = set(torch_internals.TEMPORARY_PATCHES) | set(torch_internals.INSTALLER_ONLY)
-            where = _enclosing_functions(m.tree) if m.path == HOME else {}
+            patches = {name for home, name in boundary.TEMPORARY_PATCHES if m.path == f"compile_rng/_torch/{home}.py"}
+            allowed = patches | set(boundary.INSTALLER_ONLY)
+            where = _enclosing_functions(m.tree) if m.path in HOMES else {}
             for line, what in _changes(m):
                 if where.get(line) not in allowed:
                     out.append(f"{m.path}:{line}: change to torch outside installation.py: {what}")
@@ -334,19 +350,21 @@ def boundary_violations(modules: list[Module]) -> list[str]:
 @pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_no_module_crosses_the_boundary():
     violations = boundary_violations(_modules())
-    assert not violations, "private torch use outside compile_rng/torch_internals.py, or a change to torch " \
+    assert not violations, "private torch use outside compile_rng/_torch/, or a change to torch " \
         "outside compile_rng/installation.py:\n" + "\n".join(violations)
 
 
 @pytest.mark.torch_independent  # a scan of compile_rng's source
-def test_the_home_documents_its_temporary_patches():
-    doc = " ".join(torch_internals.__doc__.split())
-    for name in torch_internals.TEMPORARY_PATCHES:
-        assert f":func:`{name}`" in doc, f"{name} is not named in torch_internals' docstring"
-    assert "backend's own compile" in doc
-    for name in (*torch_internals.TEMPORARY_PATCHES, *torch_internals.INSTALLER_ONLY):
-        assert callable(getattr(torch_internals, name)), name
-    for path, cls, name, reason in torch_internals.PRIVATE_OVERRIDES:
+def test_the_homes_document_their_temporary_patches():
+    for home, name in boundary.TEMPORARY_PATCHES:
+        doc = " ".join(HOME_MODULES[home].__doc__.split())
+        assert f":func:`{name}`" in doc, f"{name} is not named in {home}'s docstring"
+        assert callable(getattr(HOME_MODULES[home], name)), name
+    for home in ("dynamo_internals", "inductor_internals"):  # their patches' extent
+        assert "backend's own compile" in " ".join(HOME_MODULES[home].__doc__.split()), home
+    for name in boundary.INSTALLER_ONLY:
+        assert callable(getattr(dtensor_internals, name)), name
+    for path, cls, name, reason in boundary.PRIVATE_OVERRIDES:
         assert (ROOT / path).exists() and _private(name) and "2.13.0" in reason and "2.15.0" in reason, (path, cls, name)
 
 
@@ -365,8 +383,8 @@ import torch
 import torch._dynamo.config
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
-from compile_rng._torch import torch_internals
-from compile_rng._torch.torch_internals import OffsetBasedRNGTracker, dtensor_op_handlers
+from compile_rng._torch import dtensor_internals
+from compile_rng._torch.dtensor_internals import OffsetBasedRNGTracker, dtensor_op_handlers
 
 aten = torch.ops.aten
 
@@ -398,8 +416,8 @@ def leaks(x, gm):
     handlers = dtensor_op_handlers()
     handlers.pop(aten.exponential_.default)
     dtensor_op_handlers()[aten.exponential_.default] = None
-    torch_internals.dtensor_random().is_rng_supported_mesh = None
-    torch_internals.set_rng_tracker(None)
+    dtensor_internals.dtensor_random().is_rng_supported_mesh = None
+    dtensor_internals.set_rng_tracker(None)
     out = torch.empty(3)
     out[0] = 1.0
     x.meta["val"] = out
@@ -431,30 +449,34 @@ def test_the_scan_finds_what_it_should():
         "38: change to torch outside installation.py: handlers.pop(...)",
         "39: change to torch outside installation.py: assigns dtensor_op_handlers()[aten.exponential_.default]",
         "39: installer-only setter used: dtensor_op_handlers",
-        "40: change to torch outside installation.py: assigns torch_internals.dtensor_random().is_rng_supported_mesh",
-        "41: installer-only setter used: torch_internals.set_rng_tracker",
+        "40: change to torch outside installation.py: assigns dtensor_internals.dtensor_random().is_rng_supported_mesh",
+        "41: installer-only setter used: dtensor_internals.set_rng_tracker",
         "45: change to torch outside installation.py: del torch.random.fork_rng",
     ], "\n".join(found)
 
 
 @pytest.mark.torch_independent  # a scan of compile_rng's source
 def test_the_home_itself_may_patch_only_what_it_lists():
-    source = (ROOT / HOME).read_text()
+    home = "compile_rng/_torch/dynamo_internals.py"
+    source = (ROOT / home).read_text()
     source += "\n\ndef leak():\n    torch._dynamo.config.verbose = True\n"
-    found = [v for v in _scan({HOME: source}) if v.startswith(HOME)]
-    assert found == [f"{HOME}:{source.count(chr(10))}: change to torch outside installation.py: "
+    found = [v for v in _scan({home: source}) if v.startswith(home)]
+    assert found == [f"{home}:{source.count(chr(10))}: change to torch outside installation.py: "
                      "assigns torch._dynamo.config.verbose"], found
 
 
-@pytest.mark.parametrize("name", sorted(torch_internals._LAZY))
-def test_every_lazy_name_resolves(name):
-    assert getattr(torch_internals, name) is not None
+@pytest.mark.parametrize("home, name", sorted(
+    (home, name) for home, module in HOME_MODULES.items() for name in getattr(module, "_LAZY", ())
+))
+def test_every_lazy_name_resolves(home, name):
+    assert getattr(HOME_MODULES[home], name) is not None
 
 
 def test_every_function_and_name_exists():
-    for name in torch_internals.__all__:
-        assert hasattr(torch_internals, name), name
-    assert torch_internals.rng_tracker() is torch_internals.dtensor_random()._rng_tracker
-    assert isinstance(torch_internals.dtensor_op_handlers(), dict)
-    assert isinstance(torch_internals.compile_failures(), tuple)
-    assert torch_internals.op_name(torch.ops.aten.rand.default) == "rand"
+    for module in HOME_MODULES.values():
+        for name in module.__all__:
+            assert hasattr(module, name), (module.__name__, name)
+    assert dtensor_internals.rng_tracker() is dtensor_internals.dtensor_random()._rng_tracker
+    assert isinstance(dtensor_internals.dtensor_op_handlers(), dict)
+    assert isinstance(dynamo_internals.compile_failures(), tuple)
+    assert core_internals.op_name(torch.ops.aten.rand.default) == "rand"

@@ -1,5 +1,47 @@
-"""The one home of private torch and Triton APIs: every private read (``torch_internals``,
-``triton_internals``), and the few changes to torch that last for one call or block.
-The changes importing compile_rng makes are :mod:`compile_rng.installation`'s, through
-these readers. Nothing else in compile_rng touches them (``tests/test_torch_internals.py``
-checks it); nothing here imports the rest of compile_rng."""
+"""The one home of private torch and Triton APIs, one module per subsystem:
+``core_internals`` (the dispatcher, tracing, pytree, symbolic shapes, autograd),
+``dynamo_internals`` (Dynamo and AOTAutograd), ``inductor_internals``,
+``dtensor_internals``, ``distributed_internals`` (meshes, process groups, checkpoint
+names; and the one private stdlib function compile_rng calls) and ``triton_internals``.
+Nothing else in compile_rng touches a private API, and nothing here imports the rest of
+compile_rng (``tests/test_torch_internals.py`` and ``tests/test_import_structure.py``
+check it).
+
+Each item says why compile_rng needs it; all were checked on torch 2.13.0 and 2.15.0
+(2.14 has the same modules). Private here means a module, attribute or method whose
+name starts with ``_`` (``torch._dynamo``, ``DTensor._op_dispatcher``), and Dynamo's
+undocumented fields (``dynamo_internals.UNDOCUMENTED_FIELDS``).
+
+The changes compile_rng *makes* to torch live in :mod:`compile_rng.installation`, which
+reads them through these homes, with two kinds of exception, listed here for
+``tests/test_torch_internals.py``:
+
+* :data:`TEMPORARY_PATCHES`, which live in the homes beside what they patch, each named
+  in its home's docstring: two cache patches that last only for the backend's own
+  compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), and two DTensor
+  dispatch patches that last for one op call or a block (``dtensor_dispatch_unhandled``,
+  ``dtensor_operands_kept``), which eager and traced code below the installer use;
+* :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
+  (DTensor's tracker slot, handler table and dispatcher), which only the installer calls.
+"""
+
+#: ``(home, function)`` of each function of a home that changes torch for one call or the
+#: length of a ``with`` block (the backend's own compile, under Dynamo's compile lock, or
+#: a DTensor dispatch). Every other change to torch is made by compile_rng.installation.
+TEMPORARY_PATCHES: tuple[tuple[str, str], ...] = (
+    ("dynamo_internals", "autograd_cache_keys"),
+    ("inductor_internals", "rank_free_mesh_cache_keys"),
+    ("dtensor_internals", "dtensor_dispatch_unhandled"),
+    ("dtensor_internals", "dtensor_operands_kept"),
+)
+
+#: Accessors of ``dtensor_internals`` that set or hand out torch's mutable state: only
+#: compile_rng.installation calls them (DTensor's tracker slot, its per-op handler table,
+#: its op dispatcher).
+INSTALLER_ONLY: tuple[str, ...] = ("set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher")
+
+#: ``(module path, class, private name, reason with the torch versions checked)`` of each
+#: private torch method or field a compile_rng class outside the homes overrides or sets.
+#: None: DTensor's tracker protocol is implemented in ``dtensor_internals``
+#: (``dtensor_rng_tracker_base``).
+PRIVATE_OVERRIDES: tuple[tuple[str, str, str, str], ...] = ()

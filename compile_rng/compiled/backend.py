@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import dynamo_internals, inductor_internals
 from compile_rng.compiled import local_shards
 from compile_rng.compiled.inner_compilers import INNERS, compile_inner
 from compile_rng.compiled.job_compile import compiling_once
@@ -46,13 +46,13 @@ class BackendConfig:
 
 def graph_name(gm: fx.GraphModule) -> str:
     """``<function>.<compile id>`` of the graph Dynamo hands over (for file names)."""
-    func = torch_internals.traced_code_name() or "graph"
-    compile_id = torch_internals.graph_compile_id(gm).replace("/", "_")
+    func = dynamo_internals.traced_code_name() or "graph"
+    compile_id = dynamo_internals.graph_compile_id(gm).replace("/", "_")
     return f"{func.strip('<>')}.{compile_id}"
 
 
 def warn_if_split(gm: fx.GraphModule) -> None:
-    split = torch_internals.graph_break(gm)
+    split = dynamo_internals.graph_break(gm)
     if split is None or dispatch_modes.in_compiled_call():
         return
     # Reported at the user's line that broke the graph, once per compiled graph.
@@ -85,7 +85,7 @@ class Backend:
         self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict | None = None
     ) -> Callable:
         """Compile ``gm``; ``mode`` and ``options`` are ``torch.compile``'s, for Inductor."""
-        inductor_patches = torch_internals.inductor_options(mode, options)
+        inductor_patches = inductor_internals.inductor_options(mode, options)
         if inductor_patches and self.config.inner != "inductor":
             raise ValueError(
                 f"compile_rng backend: torch.compile(mode={mode!r}, options=...) configures Inductor, "

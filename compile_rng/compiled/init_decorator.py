@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from compile_rng._torch.torch_internals import compile_failures
+from compile_rng._torch.dynamo_internals import compile_failures
 from compile_rng.compiled.backend import backend
 from compile_rng.eager import dispatch_modes
 from compile_rng.eager.fqn_streams import fqn_streams, modules_in

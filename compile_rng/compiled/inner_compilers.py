@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import distributed_internals, dynamo_internals, inductor_internals
 from compile_rng.compiled import plan_store
 from compile_rng.compiled.joint_pass import JointPass
 from compile_rng.compiled.symbols import input_symbols
@@ -36,7 +36,7 @@ def decompositions() -> Decompositions:
     # The rewrite handles these itself; Inductor's decompositions would change their values.
     handled = set(RULES) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
     return Decompositions(
-        {op: fn for op, fn in torch_internals.inductor_decompositions().items() if op not in handled}
+        {op: fn for op, fn in inductor_internals.inductor_decompositions().items() if op not in handled}
     )
 
 
@@ -53,15 +53,15 @@ def inductor_compile(
     table = decompositions()
 
     def compile_without_autograd_cache() -> Callable:
-        with torch_internals.autograd_cache_off(), torch_internals.rank_free_mesh_cache_keys():
-            return torch_internals.inductor_compile(gm, inputs, patches, table)
+        with dynamo_internals.autograd_cache_off(), inductor_internals.rank_free_mesh_cache_keys():
+            return inductor_internals.inductor_compile(gm, inputs, patches, table)
 
     if not plan_from_cache:
         return compile_without_autograd_cache()
-    torch_internals.register_device_mesh_ops()  # a DTensor graph's cached code calls them
+    distributed_internals.register_device_mesh_ops()  # a DTensor graph's cached code calls them
     context = plan_store.process_context(gm)
-    with torch_internals.autograd_cache_keys(context) as keys, torch_internals.rank_free_mesh_cache_keys():
-        compiled = torch_internals.inductor_compile(gm, inputs, patches, table)
+    with dynamo_internals.autograd_cache_keys(context) as keys, inductor_internals.rank_free_mesh_cache_keys():
+        compiled = inductor_internals.inductor_compile(gm, inputs, patches, table)
     key = keys[0] if keys else None
     positions = input_symbols(placeholders)
     if plan.loaded_from_cache:  # an AOTAutograd hit: the graph came back untraced
@@ -96,13 +96,13 @@ def compile_inner(
 
     def partition(joint, joint_inputs, **kw):
         rewrite(joint)
-        return torch_internals.default_partition(joint, joint_inputs, **kw)
+        return dynamo_internals.default_partition(joint, joint_inputs, **kw)
 
     # The random ops Inductor decomposes (rrelu's noise into uniform) are decomposed here
     # too, so the pass sees the same random ops whichever compiler follows it.
     random_decompositions = {op: fn for op, fn in decompositions().items() if is_random(op)}
-    with torch_internals.autograd_cache_off():
-        return torch_internals.aot_autograd(
+    with dynamo_internals.autograd_cache_off():
+        return dynamo_internals.aot_autograd(
             fw_compiler=fw, bw_compiler=fw, partition_fn=partition, decompositions=random_decompositions
         )(gm, inputs)
 

@@ -24,7 +24,7 @@ import torch
 from filelock import FileLock
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import inductor_internals
 
 #: ``COMPILE_RNG_JOB_COMPILE=0`` lets every rank compile on its own, as stock torch does.
 ENV = "COMPILE_RNG_JOB_COMPILE"
@@ -32,7 +32,7 @@ ENV = "COMPILE_RNG_JOB_COMPILE"
 
 def enabled(inner: str) -> bool:
     """Whether ranks queue: a multi-rank job compiling with Inductor and its caches on."""
-    if os.environ.get(ENV, "1") == "0" or inner != "inductor" or not torch_internals.inductor_caches_enabled():
+    if os.environ.get(ENV, "1") == "0" or inner != "inductor" or not inductor_internals.inductor_caches_enabled():
         return False
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -67,7 +67,7 @@ def compiling_once(gm: fx.GraphModule, inputs: list, inner: str) -> Iterator[Non
     if not enabled(inner):
         yield
         return
-    folder = Path(torch_internals.inductor_cache_dir()) / "compile_rng_locks"
+    folder = Path(inductor_internals.inductor_cache_dir()) / "compile_rng_locks"
     folder.mkdir(parents=True, exist_ok=True)
     identity = graph_identity(gm, inputs)
     compiled_once = folder / f"{identity}.done"

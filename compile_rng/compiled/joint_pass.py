@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import inductor_internals
 from compile_rng import passes
 from compile_rng.passes.functionalize_rng import functionalize_rng
 from compile_rng.passes.plan import RngPlan
@@ -37,7 +37,7 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-class JointPass(torch_internals.CustomGraphPass):
+class JointPass(inductor_internals.CustomGraphPass):
     """compile_rng's rewrite as Inductor's ``joint_custom_pre_pass`` (then the user's own
     pass, if any). Its :meth:`uuid` is what Inductor's FX-graph and AOTAutograd's caches
     key the pass on: compile_rng's sources and the layout - no rank, coordinate or device
@@ -61,7 +61,7 @@ class JointPass(torch_internals.CustomGraphPass):
     def uuid(self) -> Any:
         user = None
         if self.user_pass is not None:
-            user = self.user_pass.uuid() if isinstance(self.user_pass, torch_internals.CustomGraphPass) else None
+            user = self.user_pass.uuid() if isinstance(self.user_pass, inductor_internals.CustomGraphPass) else None
             if user is None:
                 return None
         return (source_hash(), self.plan.layout, self.plan.batched, self.plan.collect_unsupported, user)

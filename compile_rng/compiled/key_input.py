@@ -9,7 +9,7 @@ import contextlib
 import torch
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import core_internals, dynamo_internals
 from compile_rng.stream import state
 
 
@@ -49,14 +49,14 @@ def with_key_input(
     shapes = [(table_rows, 2), (4,)] if batched else [(2,)]
     names = ["compile_rng_key_table", "compile_rng_key"][-len(shapes):]
     added = []
-    fake_mode = torch_internals.detect_fake_mode(example_inputs)
+    fake_mode = core_internals.detect_fake_mode(example_inputs)
     anchor = placeholders[-1] if placeholders else None
     for name, shape in zip(names, shapes):
         with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(None):
             node = anchor = graph.placeholder(name)
         # AOTAutograd maps Dynamo inputs to user sources; these have none (like the
         # intermediate inputs DDPOptimizer creates).
-        torch_internals.mark_sourceless_input(node)
+        dynamo_internals.mark_sourceless_input(node)
         with fake_mode or contextlib.nullcontext():  # fake: no real allocation on the device
             example = torch.zeros(shape, dtype=torch.int64, device=device)
         node.meta["example_value"] = node.meta["val"] = example
@@ -64,5 +64,5 @@ def with_key_input(
     graph.output(output)
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
-    torch_internals.copy_dynamo_input_sources(gm, new_gm, env)
+    dynamo_internals.copy_dynamo_input_sources(gm, new_gm, env)
     return new_gm, [*example_inputs, *added]

@@ -48,14 +48,8 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from compile_rng._torch.torch_internals import (
-    TorchDispatchMode,
-    detect_fake_mode,
-    distribute_region,
-    dtensor_spec,
-    local_tensor,
-    tree_leaves,
-)
+from compile_rng._torch.core_internals import TorchDispatchMode, detect_fake_mode, tree_leaves
+from compile_rng._torch.dtensor_internals import distribute_region, dtensor_spec, local_tensor
 from compile_rng.eager import tracker
 from compile_rng.eager.dispatch_modes import RandomOpMode, drawn_shape
 from compile_rng.semantics.local_values import Layout, Lost

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import dynamo_internals
 from compile_rng.compiled.symbols import SizeFn
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
 from compile_rng.semantics.named_draws import STEP_STRIDE, Namer
@@ -55,7 +55,7 @@ class KeyTable:
                 f"compile_rng: the compiled graph {self.plan.name} draws {self.advance(args, batch)} counters in a "
                 f"step with names=, more than the {STEP_STRIDE} a named stream holds per step"
             )
-        frame = torch_internals.compiled_frame(_RUNTIME_FILES)
+        frame = dynamo_internals.compiled_frame(_RUNTIME_FILES)
         positions = namer.graph_positions(
             self.plan.name, frame, [op.module for op in self.plan.ops], self.plan.module_calls, self.device
         )

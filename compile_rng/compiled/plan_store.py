@@ -30,7 +30,7 @@ import sympy
 import torch
 from torch import fx
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import inductor_internals
 from compile_rng.passes.plan import RngPlan
 
 #: (input index, dim) of a size symbol; dim None: the input is the SymInt itself
@@ -70,7 +70,7 @@ def process_context(gm: fx.GraphModule) -> str:
 
 
 def _path(key: str) -> Path:
-    return Path(torch_internals.inductor_cache_dir()) / "compile_rng_plans" / f"{key}.pkl"
+    return Path(inductor_internals.inductor_cache_dir()) / "compile_rng_plans" / f"{key}.pkl"
 
 
 def _renamed(plan: RngPlan, renames: dict[sympy.Symbol, sympy.Symbol]) -> RngPlan:

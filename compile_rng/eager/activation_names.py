@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import module as nn_module
 
-from compile_rng._torch import torch_internals
+from compile_rng._torch import core_internals, dynamo_internals
 from compile_rng.semantics.model_names import module_names
 from compile_rng.semantics.named_draws import activation_name, activation_seed, current_namer
 from compile_rng.semantics.rows import Rows, current_rows, reset_rows, set_rows
@@ -139,7 +139,7 @@ class ActivationNames:
         graph's calls and ops are counted here, as the hooks would have counted them."""
         resolve = _FrameModules(frame, self.fqn, graph)
         root, fqn_root = resolve.root()
-        resumed, backward = torch_internals.is_resume_frame(frame), torch_internals.in_backward()
+        resumed, backward = dynamo_internals.is_resume_frame(frame), core_internals.in_backward()
         if not self.stack and not resumed:
             if fqn_root == "" and not backward:  # the model's (or stage's) forward is this graph's
                 self._new_forward(self._count_forward(root))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_rng import ops as cr_ops
-from compile_rng._torch.torch_internals import (
+from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from compile_rng._torch.torch_internals import distribute_region, dtensor_spec, tree_leaves, tree_map
+from compile_rng._torch.core_internals import tree_leaves, tree_map
+from compile_rng._torch.dtensor_internals import distribute_region, dtensor_spec
 from compile_rng.eager import tracker
 from compile_rng.eager.dispatch_modes import drawn_shape, register_local_piece_dispatch
 from compile_rng.semantics.local_values import Layout, Lost, lookup, record

@@ -36,14 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compile_rng._torch.torch_internals import (
-    OpOverload,
-    TorchDispatchMode,
-    local_tensor,
-    op_arguments,
-    storage_weak_ref,
-    tree_leaves,
-)
+from compile_rng._torch.core_internals import OpOverload, TorchDispatchMode, op_arguments, storage_weak_ref, tree_leaves
+from compile_rng._torch.dtensor_internals import local_tensor
 from compile_rng.eager import dispatch_modes
 from compile_rng.semantics.model_names import TensorNames
 from compile_rng.semantics.random_ops import is_random

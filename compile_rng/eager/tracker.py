@@ -30,24 +30,23 @@ from typing import Any
 import torch
 
 from compile_rng import ops as cr_ops
-
-# spmd as a module: importing it first imports DTensor, whose import hook imports this
-# module, which then finds spmd half-initialized (its names are read at call time)
-from compile_rng._torch.torch_internals import (
-    OffsetBasedRNGTracker,
-    detect_fake_mode,
-    disable_dynamo,
-    distribute_region,
-    dtensor_rng_tracker_base,
-    get_proxy_mode,
+from compile_rng._torch.core_internals import detect_fake_mode, get_proxy_mode, traced_graph
+from compile_rng._torch.distributed_internals import (
     local_tensor_mode_enabled,
     mesh_coordinate_of_rank,
-    rng_tracker,
     symbolic_mesh_coordinate,
-    traced_graph,
     traced_mesh_coordinate_of_rank,
 )
+from compile_rng._torch.dtensor_internals import (
+    OffsetBasedRNGTracker,
+    distribute_region,
+    dtensor_rng_tracker_base,
+    rng_tracker,
+)
+from compile_rng._torch.dynamo_internals import disable_dynamo
 from compile_rng.eager.dispatch_modes import RandomOpMode
+# spmd as a module: importing it first imports DTensor, whose import hook imports this
+# module, which then finds spmd half-initialized (its names are read at call time)
 from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
 from compile_rng.semantics.named_draws import draw_position
@@ -103,7 +102,7 @@ class Tracker(dtensor_rng_tracker_base()):
     It must be an ``OffsetBasedRNGTracker``: for accelerator DTensors DTensor's dispatch
     (torch 2.13-2.15 ``_dispatch.py``) skips the region, asserts that type and passes the
     tracker's offsets for the spec to ``run_dtensor_rng_op``. DTensor's private tracker
-    protocol is implemented by :func:`~compile_rng._torch.torch_internals.dtensor_rng_tracker_base`,
+    protocol is implemented by :func:`~compile_rng._torch.dtensor_internals.dtensor_rng_tracker_base`,
     which calls :meth:`region`, :meth:`rng_offsets` and :meth:`reseed`. Meshes of other
     device types (:func:`serves`) keep torch's semantics: their regions go to a stock
     ``OffsetBasedRNGTracker``.

@@ -37,7 +37,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from compile_rng._torch.torch_internals import disable_dynamo, dispatch_mode_stack
+from compile_rng._torch.core_internals import dispatch_mode_stack
+from compile_rng._torch.dynamo_internals import disable_dynamo
 from compile_rng.eager import dispatch_modes
 from compile_rng import stream
 from compile_rng.stream import state

@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-from compile_rng._torch.torch_internals import distribute_region, dtensor_dispatch_unhandled, dtensor_spec, rng_tracker
+from compile_rng._torch.dtensor_internals import (
+    distribute_region,
+    dtensor_dispatch_unhandled,
+    dtensor_spec,
+    rng_tracker,
+)
 from compile_rng.stream import state
 
 aten = torch.ops.aten

@@ -48,14 +48,10 @@ import sympy
 import torch
 
 from compile_rng import stream
-from compile_rng._torch.torch_internals import (
-    OpOverload,
-    fallback_handler,
-    inductor_vector_isa,
-    register_lowering,
-)
-from compile_rng._torch.torch_internals import inductor_ir as ir
-from compile_rng._torch.torch_internals import inductor_ops as ops
+from compile_rng._torch.core_internals import OpOverload
+from compile_rng._torch.inductor_internals import fallback_handler, inductor_vector_isa, register_lowering
+from compile_rng._torch.inductor_internals import inductor_ir as ir
+from compile_rng._torch.inductor_internals import inductor_ops as ops
 
 
 class InductorMath:

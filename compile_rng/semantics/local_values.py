@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from compile_rng._torch.torch_internals import tree_leaves
+from compile_rng._torch.core_internals import tree_leaves
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ where it sits in the model, so the name must be the same in every configuration 
 with and without activation checkpointing, ``torch.compile(module)``, FSDP1 or DDP around
 the model. Those wrappers insert a path component (``_checkpoint_wrapped_module``,
 ``_orig_mod``, ``_fsdp_wrapped_module``, ``module``) that DCP's names leave out; so do ours,
-by DCP's own rule (:func:`compile_rng._torch.torch_internals.checkpoint_name`). A wrapper
+by DCP's own rule (:func:`compile_rng._torch.distributed_internals.checkpoint_name`). A wrapper
 that DCP does not strip changes the checkpoint's keys and the streams' names alike.
 
 A wrapper and the module it wraps get one name (a call of the wrapper and the call of the
@@ -22,7 +22,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from compile_rng._torch.torch_internals import checkpoint_module_name, checkpoint_name
+from compile_rng._torch.distributed_internals import checkpoint_module_name, checkpoint_name
 
 
 # root -> (its module tree, the names): a named step names its model's modules at every

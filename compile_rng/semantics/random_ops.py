@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from compile_rng import ops as _ops  # noqa: F401  (registers torch.ops.compile_rng)
-from compile_rng._torch.torch_internals import OpOverload, op_name
+from compile_rng._torch.core_internals import OpOverload, op_name
 
 aten = torch.ops.aten
 cr = torch.ops.compile_rng

@@ -29,12 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from compile_rng._torch.torch_internals import (
-    StridedShard,
-    dtensor_operands_kept,
-    quiet_fake_tensor_failures,
-    tree_leaves,
-)
+from compile_rng._torch.core_internals import quiet_fake_tensor_failures, tree_leaves
+from compile_rng._torch.dtensor_internals import StridedShard, dtensor_operands_kept
 from compile_rng.semantics.local_values import Lost
 
 

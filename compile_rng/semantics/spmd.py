@@ -29,7 +29,7 @@ import sympy
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from compile_rng._torch.torch_internals import StridedShard, split_factor
+from compile_rng._torch.dtensor_internals import StridedShard, split_factor
 from compile_rng.semantics.pieces import Pieces
 from compile_rng.stream import ceil4, contiguous_strides
 

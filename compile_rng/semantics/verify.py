@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from compile_rng._torch.torch_internals import disable_dynamo
+from compile_rng._torch.dynamo_internals import disable_dynamo
 from compile_rng.stream import state
 
 

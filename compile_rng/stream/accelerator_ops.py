@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compile_rng import stream
-from compile_rng._torch.torch_internals import OpOverload, TorchDispatchMode
+from compile_rng._torch.core_internals import OpOverload, TorchDispatchMode
 from compile_rng.stream import checks
 
 if TYPE_CHECKING:

@@ -1,0 +1,229 @@
+"""DTensor's private APIs compile_rng reads: its RNG tracker slot and protocol, its
+dispatch of random ops, its op dispatcher and handler table, and a DTensor's spec.
+
+DTensor's private tracker protocol (``_distribute_region``, ``_compute_rng_offsets``,
+``_manual_seed`` and the fields DTensor reads) is implemented here once, by
+:func:`dtensor_rng_tracker_base`, and mapped to public methods compile_rng's tracker
+defines (:data:`compile_rng._torch.PRIVATE_OVERRIDES` lists any other private torch name
+a compile_rng class overrides: none).
+
+Two temporary patches live here, beside what they patch, used by the eager and traced
+code below the installer: :func:`dtensor_dispatch_unhandled` lasts for one op call and
+:func:`dtensor_operands_kept` for a block. The accessors that set or hand out DTensor's
+mutable state (:data:`compile_rng._torch.INSTALLER_ONLY`) are the installer's. DTensor
+is imported inside the functions, or through the lazy names of :data:`_LAZY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from compile_rng._torch.core_internals import lazy_attributes, tree_leaves
+from compile_rng._torch.dynamo_internals import disable_dynamo
+
+__all__ = [  # and the lazy names of _LAZY, added below
+    "distribute_region",
+    "dtensor_dispatch",
+    "dtensor_dispatch_unhandled",
+    "dtensor_op_dispatcher",
+    "dtensor_op_handlers",
+    "dtensor_operands_kept",
+    "dtensor_random",
+    "dtensor_rng_tracker_base",
+    "dtensor_spec",
+    "local_tensor",
+    "rng_tracker",
+    "set_rng_tracker",
+    "split_factor",
+]
+
+
+def dtensor_random() -> Any:
+    """``torch.distributed.tensor._random``: the module whose ``_rng_tracker`` DTensor
+    runs random ops in, and whose ``is_rng_supported_mesh`` its seeding asks."""
+    import torch.distributed.tensor._random as module
+
+    return module
+
+
+def rng_tracker() -> Any:
+    """DTensor's RNG tracker (None until one is made)."""
+    return dtensor_random()._rng_tracker
+
+
+def set_rng_tracker(tracker: Any) -> None:
+    dtensor_random()._rng_tracker = tracker
+
+
+def distribute_region(tracker: Any, spec: Any, generator: Any = None) -> Any:
+    """The region a DTensor RNG tracker runs a random op's local op in (the protocol
+    DTensor's dispatch calls)."""
+    return tracker._distribute_region(spec, generator)
+
+
+@functools.cache
+def dtensor_rng_tracker_base() -> type:
+    """The base class of compile_rng's DTensor RNG tracker: an ``OffsetBasedRNGTracker``
+    (DTensor's accelerator dispatch asserts that type) whose private protocol calls
+    public methods the subclass defines.
+
+    DTensor calls, on ``torch.distributed.tensor._random._rng_tracker`` (checked on torch
+    2.13.0 and 2.15.0): ``_distribute_region(spec, generator)``, the region a random op's
+    local op runs in -> ``region(spec, generator)``; ``_compute_rng_offsets(spec)``, what
+    its accelerator branch hands ``run_dtensor_rng_op`` -> ``rng_offsets(spec)`` (torch's
+    own: ``stock_rng_offsets(spec)``); ``_manual_seed(seed)``, DTensor's
+    ``manual_seed(seed, mesh)`` -> ``reseed(seed)``. ``__init__`` sets the fields
+    ``_RNGStateTracker.__init__`` sets and DTensor reads (``_device``,
+    ``_device_handle``, ``_use_distribute_region``), not through
+    ``OffsetBasedRNGTracker.__init__``, which refuses a CPU device and syncs a device
+    generator. Made on the first call (it imports DTensor), once."""
+    from torch.distributed.tensor._random import OffsetBasedRNGTracker
+
+    class DTensorRNGTracker(OffsetBasedRNGTracker):
+        def __init__(self) -> None:
+            self._device = torch.device("cpu")
+            self._device_handle = None
+            self._use_distribute_region = True
+
+        # Dynamo must not inline the region (it reads the state and placements); code
+        # that calls it from a compiled frame graph-breaks and runs the region eagerly.
+        @disable_dynamo
+        def _distribute_region(self, spec: Any, generator: Any = None) -> Any:
+            return self.region(spec, generator)
+
+        def _compute_rng_offsets(self, spec: Any) -> Any:
+            return self.rng_offsets(spec)
+
+        def stock_rng_offsets(self, spec: Any) -> Any:
+            return super()._compute_rng_offsets(spec)
+
+        def _manual_seed(self, parallel_seed: int) -> None:
+            self.reseed(parallel_seed)
+
+        def region(self, spec: Any, generator: Any = None) -> Any:
+            raise NotImplementedError
+
+        def rng_offsets(self, spec: Any) -> Any:
+            raise NotImplementedError
+
+        def reseed(self, parallel_seed: int) -> None:
+            raise NotImplementedError
+
+    return DTensorRNGTracker
+
+
+def dtensor_dispatch() -> Any:
+    """``torch.distributed.tensor._dispatch``: for an accelerator DTensor (2.13: CUDA;
+    2.15: the current accelerator) without ``generator=``, its dispatch skips the
+    tracker's region and runs the local op through this module's global
+    ``run_dtensor_rng_op`` with ``_rng_tracker._compute_rng_offsets(spec)``."""
+    import torch.distributed.tensor._dispatch as module
+
+    return module
+
+
+def dtensor_op_dispatcher() -> Any:
+    """DTensor's op dispatcher (``DTensor._op_dispatcher``, an ``OpDispatcher``; checked
+    on torch 2.13.0 and 2.15.0): :func:`dtensor_operands_kept` wraps its
+    ``redistribute_local_args`` for a block."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's per-op custom handlers (in-place random ops DTensor runs without a
+    tracker region get one that opens it)."""
+    return dtensor_op_dispatcher()._custom_op_handlers
+
+
+# one thread at a time steps a handler out of the shared table and back
+_handlers_lock = threading.RLock()
+
+
+def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
+    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
+    handler table on every op, so the handler steps out of it for this one call."""
+    handlers = dtensor_op_handlers()
+    with _handlers_lock:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
+
+
+@contextlib.contextmanager
+def dtensor_operands_kept(error: type[Exception]) -> Iterator[None]:
+    """Inside the block DTensor's dispatch raises ``error`` where it would change an
+    operand's placements to run an op (``OpDispatcher.redistribute_local_args``, 2.13-2.15;
+    a change of non-tensor arguments only - a view's global sizes made local - still
+    runs). :mod:`compile_rng.compiled.local_shards` runs a plain program's ops on DTensors this
+    way: the local op computes a shard of the DTensor op only where nothing moves."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    dispatcher = dtensor_op_dispatcher()
+    stock = dispatcher.redistribute_local_args
+
+    def specs(args: Any) -> list:
+        return [s for s in tree_leaves(args) if isinstance(s, DTensorSpec)]
+
+    def moves(before: Any, after: Any) -> bool:
+        # an empty operand (a KV cache's first torch.cat) has no data to move
+        return before.placements != after.placements and before.tensor_meta.shape.numel() > 0
+
+    def kept(op_info: Any, suggested: Any, use_val: bool) -> None:
+        # the op's own schema is None after DTensor's C++ fast path; its flat args remain
+        if any(moves(b, a) for b, a in zip(specs(op_info.flat_args_schema), specs(suggested.args_schema))):
+            raise error(f"{op_info.schema} needs {suggested}")
+        return stock(op_info, suggested, use_val)
+
+    dispatcher.redistribute_local_args = kept  # an instance attribute over the staticmethod
+    try:
+        yield
+    finally:
+        del dispatcher.redistribute_local_args
+
+
+def dtensor_spec(dtensor: Any) -> Any:
+    """A DTensor's ``DTensorSpec`` (mesh, placements, shape): what the tracker receives."""
+    return dtensor._spec
+
+
+def local_tensor(tensor: Any) -> Any:
+    """The rank's local shard of a DTensor (``tensor`` itself otherwise), without the
+    autograd-tracked ``to_local()``."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def split_factor(placement: Any) -> int:
+    """A ``_StridedShard``'s split factor (FSDP2 x TP lays shards out with it)."""
+    return placement.split_factor
+
+
+# --- names imported on first use ---------------------------------------------------------
+
+# name -> (module, attribute or None for the module itself, why)
+_LAZY: dict[str, tuple[str, str | None, str]] = {
+    "OffsetBasedRNGTracker": (
+        "torch.distributed.tensor._random", "OffsetBasedRNGTracker",
+        "the tracker type DTensor's CUDA dispatch asserts; compile_rng's tracker subclasses it",
+    ),
+    "DTensorSpec": (
+        "torch.distributed.tensor._dtensor_spec", "DTensorSpec",
+        "what DTensor's dispatch passes around for an operand (mesh, placements, shape)",
+    ),
+    "StridedShard": (
+        "torch.distributed.tensor.placement_types", "_StridedShard",
+        "the placement FSDP2 x TP uses for a dim sharded twice",
+    ),
+}
+__all__ += list(_LAZY)
+__getattr__ = lazy_attributes(__name__, _LAZY)
