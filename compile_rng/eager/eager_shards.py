@@ -26,8 +26,6 @@ tensor-parallel part of an eager model); nothing else changes.
 
 from __future__ import annotations
 
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +35,7 @@ from compile_rng._torch.core_internals import tree_leaves, tree_map
 from compile_rng._torch.dtensor_internals import distribute_region, dtensor_spec
 from compile_rng.eager import tracker
 from compile_rng.eager.dispatch_modes import drawn_shape, register_local_piece_dispatch
+from compile_rng.eager.user_code import user_line
 from compile_rng.semantics.local_values import Layout, Lost, lookup, record
 from compile_rng.semantics.random_ops import INPLACE
 from compile_rng.semantics.shard_layouts import SizeArgument, is_sharded, propagate
@@ -69,15 +68,6 @@ def _size_argument(func: Any, args: tuple, kwargs: dict) -> SizeArgument | None:
     if kind is None or len(args) < 2:
         return None
     return SizeArgument(kind, tuple(args[1]), lambda sizes: ((args[0], list(sizes), *args[2:]), kwargs))
-
-
-def user_line() -> str:
-    """``file:line`` of the innermost frame outside torch and compile_rng (the user's)."""
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(skip):
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
 
 
 def _refusal(func: Any, why: str) -> NotImplementedError:

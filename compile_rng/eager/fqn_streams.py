@@ -28,10 +28,8 @@ sharing a stream.
 from __future__ import annotations
 
 import contextlib
-import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +37,7 @@ from torch import nn
 from compile_rng._torch.core_internals import OpOverload, TorchDispatchMode, op_arguments, storage_weak_ref, tree_leaves
 from compile_rng._torch.dtensor_internals import local_tensor
 from compile_rng.eager import dispatch_modes
+from compile_rng.eager.user_code import user_line
 from compile_rng.semantics.model_names import TensorNames
 from compile_rng.semantics.random_ops import is_random
 from compile_rng.stream import named_seed, state
@@ -177,16 +176,6 @@ class _Streams:
         state.set_state(self.seeds[name], self.positions.get(self.current, 0), device)
 
 
-def _user_frame() -> str:
-    here = Path(__file__).resolve().parent
-    torch_dir = Path(torch.__file__).resolve().parent
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = Path(frame.filename).resolve()
-        if here not in path.parents and torch_dir not in path.parents and "contextlib" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
-
-
 def _written(func: OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes into (in-place targets and ``out=``)."""
     written = []
@@ -229,7 +218,7 @@ class _OwnershipMode(TorchDispatchMode):
             self.streams.select(owner or ANONYMOUS, dispatch_modes.op_device(func, args, kwargs).type)
             out = func(*args, **kwargs)
             if owner is None:
-                self.mark(self.anonymous, [*tree_leaves(out), *written], f"{func} at {_user_frame()}")
+                self.mark(self.anonymous, [*tree_leaves(out), *written], f"{func} at {user_line()}")
             else:
                 self.mark(self.derived, tree_leaves(out), owner)
             return out
