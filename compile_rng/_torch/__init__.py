@@ -20,19 +20,21 @@ reads them through these homes, with two kinds of exception, listed here for
   in its home's docstring: two cache patches that last only for the backend's own
   compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), and two DTensor
   dispatch patches that last for one op call or a block (``dtensor_dispatch_unhandled``,
-  ``dtensor_operands_kept``), which eager and traced code below the installer use;
+  ``dtensor_operands_kept``), which eager and traced code below the installer use, and
+  one on pipeline stages that lasts for a step (``pipeline_chunks_wrapped``);
 * :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
   (DTensor's tracker slot, handler table and dispatcher), which only the installer calls.
 """
 
 #: ``(home, function)`` of each function of a home that changes torch for one call or the
 #: length of a ``with`` block (the backend's own compile, under Dynamo's compile lock, or
-#: a DTensor dispatch). Every other change to torch is made by compile_rng.installation.
+#: a DTensor dispatch, or a step's pipeline stages). Every other change to torch is made by compile_rng.installation.
 TEMPORARY_PATCHES: tuple[tuple[str, str], ...] = (
     ("dynamo_internals", "autograd_cache_keys"),
     ("inductor_internals", "rank_free_mesh_cache_keys"),
     ("dtensor_internals", "dtensor_dispatch_unhandled"),
     ("dtensor_internals", "dtensor_operands_kept"),
+    ("distributed_internals", "pipeline_chunks_wrapped"),
 )
 
 #: Accessors of ``dtensor_internals`` that set or hand out torch's mutable state: only

@@ -1,12 +1,16 @@
 """torch.distributed's private APIs compile_rng reads, DTensor aside: device meshes and
 their coordinates, the fake and local-tensor process groups, distributed checkpoint's
-parameter names, and the one private stdlib function compile_rng calls
-(:func:`exit_skipping_teardown`, for gloo ranks). Imported inside the functions.
+parameter names, the one private stdlib function compile_rng calls
+(:func:`exit_skipping_teardown`, for gloo ranks), and one temporary patch:
+:func:`pipeline_chunks_wrapped` wraps a block's pipeline stages' per-microbatch methods.
+Imported inside the functions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -18,6 +22,7 @@ __all__ = [
     "fake_store",
     "local_tensor_mode_enabled",
     "mesh_coordinate_of_rank",
+    "pipeline_chunks_wrapped",
     "register_device_mesh_ops",
     "symbolic_mesh_coordinate",
     "traced_mesh_coordinate_of_rank",
@@ -124,3 +129,22 @@ def exit_skipping_teardown() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+#: The methods of a ``PipelineStage`` a schedule calls with the microbatch index first
+#: (torch 2.13-2.15 ``pipelining/schedules.py``: GPipe, 1F1B, interleaved 1F1B, zero bubble).
+STAGE_CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+@contextlib.contextmanager
+def pipeline_chunks_wrapped(stages: Sequence[Any], wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Within the block, each of :data:`STAGE_CHUNK_METHODS` a stage of ``stages`` has is
+    ``wrap(method)``, set on the instance (the class's method again after the block)."""
+    patched = [(stage, name) for stage in stages for name in STAGE_CHUNK_METHODS if hasattr(stage, name)]
+    for stage, name in patched:
+        setattr(stage, name, wrap(getattr(stage, name)))
+    try:
+        yield
+    finally:
+        for stage, name in patched:
+            delattr(stage, name)

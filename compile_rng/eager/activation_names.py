@@ -16,8 +16,8 @@ forward of a root, and each call's count of random ops.
   forward; otherwise the draw is refused.
 * A ``PipelineStage`` runs microbatch ``i`` in ``forward_one_chunk(i, ...)`` and its
   backward in ``backward_one_chunk(i, ...)`` (GPipe, 1F1B, interleaved 1F1B; torch 2.13 -
-  2.15): for the step, those two methods of each stage are wrapped (on the instance) to
-  make the microbatch's rows current - ``torch.tensor_split``'s rows, the schedules'
+  2.15): for the step, those two methods of each stage are wrapped (on the instance, by
+  ``distributed_internals.pipeline_chunks_wrapped``) to make the microbatch's rows current - ``torch.tensor_split``'s rows, the schedules'
   default split of dim 0.
 """
 
@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import module as nn_module
 
-from compile_rng._torch import core_internals, dynamo_internals
+from compile_rng._torch import core_internals, distributed_internals, dynamo_internals
 from compile_rng.semantics.model_names import module_names
 from compile_rng.semantics.named_draws import activation_name, activation_seed, current_namer
 from compile_rng.semantics.rows import Rows, current_rows, reset_rows, set_rows
@@ -349,12 +349,5 @@ def microbatch_rows_of(stages: Sequence[Any], rows: Rows, microbatches: int) -> 
 
         return run
 
-    names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-    patched = [(stage, name) for stage in stages for name in names if hasattr(stage, name)]
-    for stage, name in patched:
-        setattr(stage, name, wrapped(getattr(stage, name)))
-    try:
+    with distributed_internals.pipeline_chunks_wrapped(stages, wrapped):
         yield
-    finally:
-        for stage, name in patched:
-            delattr(stage, name)  # the class's method again
