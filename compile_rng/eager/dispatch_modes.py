@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import math
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ from compile_rng.semantics.random_ops import (
 )
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import batch_window, current_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, batch_window, current_rows
 from compile_rng.stream import ceil4, contiguous_strides
 
 
@@ -277,16 +278,29 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
     return value.narrow(own, start, length)
 
 
+def eager_key(
+    op: object, global_shape: Sequence[Any], advance: int, device: torch.device,
+    rows: Rows | ScatteredRows | None, batch_split_by: object = None,
+) -> tuple[torch.Tensor, int, int | None]:
+    """``(key, row offset, row step)`` of an eager random op whose tensor has global shape
+    ``global_shape``: outside a step (``rows`` None) it draws ``advance`` counters from
+    row offset 0 (row step None: the layout's own); inside one, at its ``rows`` of the
+    batch (:func:`~compile_rng.semantics.rows.batch_window`). The key's position comes from
+    the op's name in a step with names, else is reserved from the device's state."""
+    row_offset, row_step = 0, None
+    if rows is not None:
+        row_offset, advance, row_step = batch_window(op, global_shape, rows, batch_split_by)
+    seed, base = draw_position(op, advance, device)
+    return cr_ops.make_key(seed, base, device), row_offset, row_step
+
+
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
-    rows = current_rows()
+    key, offset, row_step = eager_key(func, size, ceil4(math.prod(size)), device, current_rows())
     strides = contiguous_strides(size)
-    if rows is None:
-        offset, advance = 0, ceil4(math.prod(size))
-    else:
-        offset, advance, strides[0] = batch_window(func, size, rows)
-    seed, base = draw_position(func, advance, device)
-    return cr_ops.make_key(seed, base, device), offset, strides
+    if row_step is not None:
+        strides[0] = row_step
+    return key, offset, strides
 
 
 @contextlib.contextmanager

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from compile_rng import ops as cr_ops
 from compile_rng._torch.core_internals import detect_fake_mode, get_proxy_mode, traced_graph
 from compile_rng._torch.distributed_internals import (
     local_tensor_mode_enabled,
@@ -44,15 +43,14 @@ from compile_rng._torch.dtensor_internals import (
     rng_tracker,
 )
 from compile_rng._torch.dynamo_internals import disable_dynamo
-from compile_rng.eager.dispatch_modes import RandomOpMode
+from compile_rng.eager.dispatch_modes import RandomOpMode, eager_key
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
 from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
-from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.pending_key import SITE, Site, pending_key
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import batch_window, current_rows
+from compile_rng.semantics.rows import current_rows
 from compile_rng.stream import state
 
 aten = torch.ops.aten
@@ -185,18 +183,8 @@ class Tracker(dtensor_rng_tracker_base()):
                     str(func), layout_name, sharding, start, sharding.advance(), tuple(coords), spec.mesh
                 )
                 return key, offset, strides
-            advance = int(sharding.advance())
-            row_offset = 0
-            if rows is not None:
-                row_offset, advance, row_step = batch_window(func, sharding.global_shape, rows)
-                if rows.stride != 1 and (isinstance(layout, Pieces) or sharding.shards_dim(0)):
-                    raise NotImplementedError(
-                        f"compile_rng: {func} on a DTensor sharded on its batch dim ({sharding.placements}) in a "
-                        "step whose rows are interleaved: its rows are not evenly spaced in the global batch. "
-                        "Give this step contiguous rows (rows='contiguous'), or keep dim 0 of the activation unsharded"
-                    )
-            seed, base = draw_position(func, advance, device)
-            key = cr_ops.make_key(seed, base, device)
+            split = sharding.placements if isinstance(layout, Pieces) or sharding.shards_dim(0) else None
+            key, row_offset, row_step = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
             if isinstance(layout, Pieces):
                 return key, layout.shifted(row_offset), None
             offset, strides = layout

@@ -90,12 +90,16 @@ def reset_rows(token: contextvars.Token) -> None:
     _rows.reset(token)
 
 
-def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[int, int, int]:
+def batch_window(
+    op: object, global_shape: Sequence[Any], rows: Rows, batch_split_by: object = None
+) -> tuple[int, int, int]:
     """``(row offset, advance, row step)`` of an eager random op inside a step whose tensor
     (its DTensor-global shape ``global_shape``) is batch-major: its rows are ``rows`` of the
     global batch, so element ``(i, j...)`` draws counter ``row offset + i * row step + j...``
     of a range of ``ceil4(rows.total * row_numel)`` - what a batched graph's op draws
-    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows."""
+    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows. ``batch_split_by``:
+    the placements of a DTensor whose batch dim is split over ranks (interleaved rows are
+    refused: a rank's part of them is not evenly spaced in the global batch)."""
     if not global_shape or int(global_shape[0]) != rows.count:
         raise NotImplementedError(
             f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
@@ -104,4 +108,11 @@ def batch_window(op: object, global_shape: Sequence[Any], rows: Rows) -> tuple[i
             "shape) outside the step block, or transpose the tensor so the batch comes first"
         )
     row_numel = math.prod(int(s) for s in global_shape[1:])
-    return rows.start * row_numel, ceil4(rows.total * row_numel), rows.stride * row_numel
+    window = rows.start * row_numel, ceil4(rows.total * row_numel), rows.stride * row_numel
+    if batch_split_by is not None and rows.stride != 1:
+        raise NotImplementedError(
+            f"compile_rng: {op} on a DTensor sharded on its batch dim ({batch_split_by}) in a "
+            "step whose rows are interleaved: its rows are not evenly spaced in the global batch. "
+            "Give this step contiguous rows (rows='contiguous'), or keep dim 0 of the activation unsharded"
+        )
+    return window
