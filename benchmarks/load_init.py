@@ -64,7 +64,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, results: dict) -> 
         "peak_rss_bytes": peak,
         "peak_over_shard_plus_overhead": (peak - overhead) / local_bytes,
         "init_seconds": seconds,
-        "compiled": init_weights.compiled(),
+        "compiled": init_weights.compiled(model),
     }
 
 

@@ -44,3 +44,29 @@ def test_local_tensor_mode_gets_a_clear_error_not_a_crash():
         t = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
         with pytest.raises(NotImplementedError, match="LocalTensorMode"):
             t.uniform_()
+
+
+def test_auto_compile_decides_per_model():
+    """A model whose init Dynamo cannot capture whole runs eagerly from then on; a model
+    the same function is called on afterwards still runs as one graph, with the same values."""
+
+    def init_weights(model):
+        for p in model.parameters():
+            if model.truncated:
+                nn.init.trunc_normal_(p, std=0.02)
+            else:
+                nn.init.normal_(p)
+
+    auto = compile_rng.init(compile="auto", inner="aot_eager")(init_weights)
+    eager = compile_rng.init(compile=False)(init_weights)
+    broken, fine, reference = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    broken.truncated, fine.truncated, reference.truncated = True, False, False
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="does not compile as one graph"):
+        auto(broken)
+    compile_rng.manual_seed(3)
+    auto(fine)
+    compile_rng.manual_seed(3)
+    eager(reference)
+    assert not auto.compiled(broken) and auto.compiled(fine)
+    assert torch.equal(fine.weight, reference.weight) and torch.equal(fine.bias, reference.bias)

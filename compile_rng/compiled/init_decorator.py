@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from compile_rng._torch.dynamo_internals import compile_failures
 from compile_rng.compiled.backend import backend
@@ -45,7 +47,8 @@ def init(
     inner)`` (cached by ``torch.compile`` per module structure); a function Dynamo cannot
     capture whole - ``nn.init.trunc_normal_`` reads values
     (:mod:`compile_rng.eager.trunc_normal`), ``with torch.device(...)`` - runs eagerly instead,
-    with the same values, after a one-time warning. ``True`` requires the single graph
+    with the same values, after a warning (once per model: another model
+    the function is called on still compiles). ``True`` requires the single graph
     (raises otherwise). Partial graphs are not used: an init loop split at every
     ``trunc_normal_`` would recompile per shape for no speed.
 
@@ -65,6 +68,23 @@ def init(
     """
     layout = layouts.renamed_keyword("compile_rng.init", layout, mode)
     streams = _streams_argument(streams, key)
+    _check_arguments(compile, streams, seed)
+
+    def decorate(f: Callable) -> Callable:
+        runner = _Init(f, layout, inner, compile, streams, seed)
+
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return runner(*args, **kwargs)
+
+        run.backend = runner.backend
+        run.compiled = runner.uses_graph
+        return run
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def _check_arguments(compile: bool | str, streams: str | None, seed: int | None) -> None:
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile_rng.init: compile must be True, False or 'auto', got {compile!r}")
     if streams not in (None, "fqn"):
@@ -74,47 +94,68 @@ def init(
     if seed is not None:
         state.check_uint64("seed", seed)
 
-    def decorate(f: Callable) -> Callable:
-        be = backend(layout=layout, inner=inner)
-        compiled = torch.compile(f, backend=be, fullgraph=True)
-        use_graph = compile is not False and streams is None
 
-        @functools.wraps(f)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            nonlocal use_graph
-            with layouts.layout(layout), torch.no_grad(), _stream_seed(seed if streams is None else None):
-                if use_graph:
-                    before = state.snapshot()
-                    try:
-                        return compiled(*args, **kwargs)
-                    # Any failure to compile: Dynamo could not capture one graph, hit its
-                    # recompile limit (a helper called on tensors of many meshes or layouts),
-                    # or the C++ compiler failed (gcc 12 crashes on the single kernel Inductor
-                    # makes of a whole model's normal_ init). The eager run starts from the
-                    # state the call began with, so it draws what the graph would have.
-                    except _COMPILE_FAILURES as e:
-                        state.restore(before)
-                        if compile is True:
-                            raise RuntimeError(
-                                f"compile_rng.init(compile=True): {f.__qualname__} does not compile as one "
-                                "graph; pass compile='auto' or False to run it eagerly on the stream"
-                            ) from e
-                        warnings.warn(
-                            f"compile_rng.init: {f.__qualname__} does not compile as one graph "
-                            f"({str(e).splitlines()[0]}); running it eagerly on compile_rng's stream",
-                            stacklevel=2,
-                        )
-                        use_graph = False
-                names = fqn_streams(modules_in(args, kwargs), seed) if streams == "fqn" else contextlib.nullcontext()
-                # The name streams' dispatch mode sits on top: it picks the stream, then the op draws.
-                with dispatch_modes.eager_stream(), names:
-                    return f(*args, **kwargs)
+class _Init:
+    """A function decorated by :func:`init`: its calls, as one graph or eagerly."""
 
-        run.backend = be
-        run.compiled = lambda: use_graph
-        return run
+    def __init__(self, f: Callable, layout: str, inner: str, compile: bool | str, streams: str | None,
+                 seed: int | None):
+        self.f, self.layout, self.compile, self.streams, self.seed = f, layout, compile, streams, seed
+        self.backend = backend(layout=layout, inner=inner)
+        self.graph = torch.compile(f, backend=self.backend, fullgraph=True)
+        # Dynamo's failure to capture a call whole is the model's (its structure, its
+        # init's branches): the models that failed run eagerly from then on, the others
+        # still try; calls on no module share one decision
+        self.eager_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.eager_without_model = False
 
-    return decorate(fn) if fn is not None else decorate
+    def uses_graph(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether a call on these arguments runs as one graph (no arguments: a call on no module)."""
+        if self.compile is False or self.streams is not None:
+            return False
+        models = modules_in(args, kwargs)
+        if models:
+            return not any(model in self.eager_models for model in models)
+        return not self.eager_without_model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with layouts.layout(self.layout), torch.no_grad(), _stream_seed(self.seed if self.streams is None else None):
+            if self.uses_graph(*args, **kwargs):
+                before = state.snapshot()
+                try:
+                    return self.graph(*args, **kwargs)
+                # Any failure to compile: Dynamo could not capture one graph, hit its
+                # recompile limit (a helper called on tensors of many meshes or layouts),
+                # or the C++ compiler failed (gcc 12 crashes on the single kernel Inductor
+                # makes of a whole model's normal_ init). The eager run starts from the
+                # state the call began with, so it draws what the graph would have.
+                except _COMPILE_FAILURES as e:
+                    state.restore(before)
+                    self._fall_back(e, args, kwargs)
+            return self._eager(*args, **kwargs)
+
+    def _fall_back(self, error: BaseException, args: tuple, kwargs: dict) -> None:
+        """Refuse (``compile=True``) or warn, and run calls on these models eagerly from now on."""
+        name = self.f.__qualname__
+        if self.compile is True:
+            raise RuntimeError(
+                f"compile_rng.init(compile=True): {name} does not compile as one "
+                "graph; pass compile='auto' or False to run it eagerly on the stream"
+            ) from error
+        warnings.warn(
+            f"compile_rng.init: {name} does not compile as one graph "
+            f"({str(error).splitlines()[0]}); running it eagerly on compile_rng's stream",
+            stacklevel=4,
+        )
+        models = modules_in(args, kwargs)
+        self.eager_models.update(models)
+        self.eager_without_model |= not models
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        names = fqn_streams(modules_in(args, kwargs), self.seed) if self.streams == "fqn" else contextlib.nullcontext()
+        # The name streams' dispatch mode sits on top: it picks the stream, then the op draws.
+        with dispatch_modes.eager_stream(), names:
+            return self.f(*args, **kwargs)
 
 
 def _streams_argument(streams: str | None, key: str | None) -> str | None:
