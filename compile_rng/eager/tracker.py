@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
 from compile_rng.semantics.pending_key import SITE, Site, pending_key
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import current_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, current_rows
 from compile_rng.stream import state
 
 aten = torch.ops.aten
@@ -125,73 +126,16 @@ class Tracker(dtensor_rng_tracker_base()):
         if not self.distribute_region_enabled:
             yield
             return
-        if local_tensor_mode_enabled() and spec.mesh.device_type != "cpu":
+        if local_tensor_mode_enabled():
+            _check_local_tensor_mode(spec)
             # torch's per-rank tracker simulates accelerator ranks; keep its semantics there.
             with distribute_region(self.fallback(spec.mesh), spec, generator):
                 yield
             return
-        if local_tensor_mode_enabled():
-            # LocalTensorMode simulates every rank in one process; the coordinate here would
-            # be the process's rank for all of them (identical shards), and torch's own
-            # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
-            raise NotImplementedError(
-                "compile_rng: DTensor random ops under LocalTensorMode (every rank simulated in one "
-                "process) are not supported; simulate ranks with the fake process group "
-                "(one process acting as each rank) or run real ranks"
-            )
-        sharding = spmd.Sharding.from_spec(spec)
-        if generator is not None:
-            raise NotImplementedError(
-                "compile_rng: DTensor random ops with generator= are not supported: the stream of "
-                "a sharded op lives in compile_rng's state. Drop generator= and seed with "
-                "compile_rng.manual_seed / torch.manual_seed on every rank."
-            )
-        sharding.check("DTensor random op")
-        tracing = detect_fake_mode() is not None
-        if tracing and get_proxy_mode() is None:
-            # Fake propagation (Dynamo, AOTAutograd's metadata pass): no graph is recorded.
+        counters = _counters(spec, generator)
+        if counters is None:
             yield
             return
-        # Eager inside a step: the rows of the batch, in the layout batched graphs use.
-        rows = None if tracing else current_rows()
-        layout_name = _tracing_for_compile_rng.get() if tracing else ("invariant" if rows is not None else current_layout())
-        if layout_name is None:
-            raise RuntimeError(
-                "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
-                "DTensor random ops on its meshes need torch.compile(..., backend='compile_rng')"
-            )
-        coords = _coordinates(spec.mesh, symbolic=tracing)
-        if not tracing:
-            verify.check_mesh_once(spec.mesh)
-        device = state.device_of(spec.mesh.device_type)
-
-        def counters(func, local_shape, _device):
-            layout = sharding.layout(layout_name, coords, local_shape)
-            if tracing and isinstance(layout, Pieces):
-                # An uneven _StridedShard: this rank's runs of rows, for its own coordinate.
-                # Their bounds are nested min/max of the runtime coordinate, which Inductor's
-                # index analysis cannot digest; as constants the graph is this rank's (the
-                # caches key DTensor graphs by rank: plan_store.process_context).
-                rank_coords = traced_mesh_coordinate_of_rank(spec.mesh, torch.distributed.get_rank())
-                layout = sharding.layout(layout_name, rank_coords, local_shape)
-            if tracing:
-                offset, strides = (layout, None) if isinstance(layout, Pieces) else layout
-                site_id = next(_site_ids)  # distinct args: no pass may merge two sites
-                key = pending_key(site_id, device)
-                start = offset.pieces[0][2] if isinstance(offset, Pieces) else offset  # reported: the first piece's
-                _traced_node(site_id).meta[SITE] = Site(
-                    str(func), layout_name, sharding, start, sharding.advance(), tuple(coords), spec.mesh
-                )
-                return key, offset, strides
-            split = sharding.placements if isinstance(layout, Pieces) or sharding.shards_dim(0) else None
-            key, row_offset, row_step = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
-            if isinstance(layout, Pieces):
-                return key, layout.shifted(row_offset), None
-            offset, strides = layout
-            if rows is not None and rows.stride != 1:  # interleaved rows: row_step counters apart
-                strides = [row_step, *strides[1:]]
-            return key, offset + row_offset, strides
-
         with RandomOpMode(counters):
             yield
 
@@ -212,6 +156,91 @@ class Tracker(dtensor_rng_tracker_base()):
     def reseed(self, parallel_seed: int) -> None:
         """DTensor's ``manual_seed(seed, mesh)`` (its ``_manual_seed``)."""
         state.manual_seed(parallel_seed)
+
+
+def _check_local_tensor_mode(spec: Any) -> None:
+    """Refuse a CPU mesh under LocalTensorMode (an accelerator mesh keeps torch's tracker)."""
+    if spec.mesh.device_type == "cpu":
+        # LocalTensorMode simulates every rank in one process; the coordinate here would
+        # be the process's rank for all of them (identical shards), and torch's own
+        # per-rank tracker has no CPU support (torch 2.13: no torch.cpu.get_rng_state).
+        raise NotImplementedError(
+            "compile_rng: DTensor random ops under LocalTensorMode (every rank simulated in one "
+            "process) are not supported; simulate ranks with the fake process group "
+            "(one process acting as each rank) or run real ranks"
+        )
+
+
+def _counters(spec: Any, generator: torch.Generator | None) -> Callable | None:
+    """The ``counters`` of :class:`RandomOpMode` for a random op on ``spec``'s shards, or
+    None in fake propagation (Dynamo, AOTAutograd's metadata pass: no graph is recorded)."""
+    sharding = spmd.Sharding.from_spec(spec)
+    if generator is not None:
+        raise NotImplementedError(
+            "compile_rng: DTensor random ops with generator= are not supported: the stream of "
+            "a sharded op lives in compile_rng's state. Drop generator= and seed with "
+            "compile_rng.manual_seed / torch.manual_seed on every rank."
+        )
+    sharding.check("DTensor random op")
+    tracing = detect_fake_mode() is not None
+    if tracing and get_proxy_mode() is None:
+        return None
+    # Eager inside a step: the rows of the batch, in the layout batched graphs use.
+    rows = None if tracing else current_rows()
+    layout_name = _tracing_for_compile_rng.get() if tracing else ("invariant" if rows is not None else current_layout())
+    if layout_name is None:
+        raise RuntimeError(
+            "compile_rng is DTensor's RNG tracker, but this graph is compiled by another backend: "
+            "DTensor random ops on its meshes need torch.compile(..., backend='compile_rng')"
+        )
+    coords = _coordinates(spec.mesh, symbolic=tracing)
+    if not tracing:
+        verify.check_mesh_once(spec.mesh)
+    device = state.device_of(spec.mesh.device_type)
+    if tracing:
+        return functools.partial(_traced_counters, spec, sharding, layout_name, coords, device)
+    return functools.partial(_eager_counters, sharding, layout_name, coords, rows, device)
+
+
+def _traced_counters(
+    spec: Any, sharding: spmd.Sharding, layout_name: str, coords: list, device: torch.device,
+    func: Any, local_shape: Any, _device: torch.device,
+) -> tuple:
+    """Counters of an op AOTAutograd traces: a pending key (the pass resolves it to the
+    graph's key input) at the runtime coordinate's layout, its site recorded on the node."""
+    layout = sharding.layout(layout_name, coords, local_shape)
+    if isinstance(layout, Pieces):
+        # An uneven _StridedShard: this rank's runs of rows, for its own coordinate.
+        # Their bounds are nested min/max of the runtime coordinate, which Inductor's
+        # index analysis cannot digest; as constants the graph is this rank's (the
+        # caches key DTensor graphs by rank: plan_store.process_context).
+        rank_coords = traced_mesh_coordinate_of_rank(spec.mesh, torch.distributed.get_rank())
+        layout = sharding.layout(layout_name, rank_coords, local_shape)
+    offset, strides = (layout, None) if isinstance(layout, Pieces) else layout
+    site_id = next(_site_ids)  # distinct args: no pass may merge two sites
+    key = pending_key(site_id, device)
+    start = offset.pieces[0][2] if isinstance(offset, Pieces) else offset  # reported: the first piece's
+    _traced_node(site_id).meta[SITE] = Site(
+        str(func), layout_name, sharding, start, sharding.advance(), tuple(coords), spec.mesh
+    )
+    return key, offset, strides
+
+
+def _eager_counters(
+    sharding: spmd.Sharding, layout_name: str, coords: list, rows: Rows | ScatteredRows | None,
+    device: torch.device, func: Any, local_shape: Any, _device: torch.device,
+) -> tuple:
+    """Counters of an eager op: a key drawn now at this rank's coordinate's layout,
+    shifted to the step's rows when there are any."""
+    layout = sharding.layout(layout_name, coords, local_shape)
+    split = sharding.placements if isinstance(layout, Pieces) or sharding.shards_dim(0) else None
+    key, row_offset, row_step = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
+    if isinstance(layout, Pieces):
+        return key, layout.shifted(row_offset), None
+    offset, strides = layout
+    if rows is not None and rows.stride != 1:  # interleaved rows: row_step counters apart
+        strides = [row_step, *strides[1:]]
+    return key, offset + row_offset, strides
 
 
 @dataclass(frozen=True)
