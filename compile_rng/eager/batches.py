@@ -299,15 +299,11 @@ def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    groups = [dist.group.WORLD]
-    if not verify.communicates(groups):
-        return
-    seen = verify.disagreements(groups, start["cpu"])
-    if seen:
-        raise RuntimeError(
-            f"compile_rng.step(names=...): the ranks begin the step at different stream positions:\n"
-            f"{verify.describe(seen, ('seed', 'offset'))}\nEvery rank must be seeded alike - a pipeline stage "
-            "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
-            "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed, or keep that seeding "
-            "and declare the run's seed once on every rank: compile_rng.run_seed(seed)"
-        )
+    verify.require_agreement(
+        [dist.group.WORLD], start["cpu"], ("seed", "offset"),
+        "compile_rng.step(names=...): the ranks begin the step at different stream positions",
+        "Every rank must be seeded alike - a pipeline stage "
+        "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
+        "Seed every rank with the same compile_rng.manual_seed / torch.manual_seed, or keep that seeding "
+        "and declare the run's seed once on every rank: compile_rng.run_seed(seed)",
+    )

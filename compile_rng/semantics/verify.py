@@ -128,18 +128,25 @@ def communicates(groups: list) -> bool:
     )
 
 
-def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
-    """Raise on every rank of ``groups`` unless they agree on ``(seed, offset, graph)``."""
+def require_agreement(groups: list, mine: tuple, fields: tuple[str, ...], problem: str, advice: str) -> None:
+    """Raise a RuntimeError on every rank of ``groups`` unless they all hold ``mine`` (one
+    value per name of ``fields``): ``problem``, the fields the ranks differ on, ``advice``.
+    Nothing is checked where the groups do not communicate (one rank, the fake group)."""
     if not communicates(groups):
         return
-    seen = disagreements(groups, (seed, offset, graph))
+    seen = disagreements(groups, mine)
     if seen:
-        raise RuntimeError(
-            f"compile_rng verify: ranks disagree before compiled graph {name!r}:\n"
-            + describe(seen, ("seed", "offset", "random-op signature")) + "\n"
-            "Seed every rank with the same torch.manual_seed / compile_rng.manual_seed and run the same "
-            "random ops on every rank of the mesh."
-        )
+        raise RuntimeError(f"{problem}:\n{describe(seen, fields)}\n{advice}")
+
+
+def check(name: str, seed: int, offset: int, graph: str, groups: list) -> None:
+    """Raise on every rank of ``groups`` unless they agree on ``(seed, offset, graph)``."""
+    require_agreement(
+        groups, (seed, offset, graph), ("seed", "offset", "random-op signature"),
+        f"compile_rng verify: ranks disagree before compiled graph {name!r}",
+        "Seed every rank with the same torch.manual_seed / compile_rng.manual_seed and run the same "
+        "random ops on every rank of the mesh.",
+    )
 
 
 _checked: set[tuple] = set()
@@ -156,15 +163,11 @@ def check_mesh_once(mesh) -> None:
     _checked.add(key)
     if mesh.size() == 1 or not dist.is_initialized():
         return
-    groups = groups_of([mesh])
-    if not communicates(groups):
-        return
-    seen = disagreements(groups, state.get_state(mesh.device_type))
-    if seen:
-        raise RuntimeError(
-            f"compile_rng: the ranks of the {mesh.device_type} mesh {mesh.mesh.tolist()} reach their first "
-            f"DTensor random op with different RNG states:\n{describe(seen, ('seed', 'offset'))}\n"
-            "Replicas would silently differ. Seed every rank of an SPMD mesh alike (torch.manual_seed / "
-            "compile_rng.manual_seed / torch.distributed.tensor._random.manual_seed(seed, mesh)); pipeline "
-            "stages may use different seeds, ranks within a stage may not."
-        )
+    require_agreement(
+        groups_of([mesh]), state.get_state(mesh.device_type), ("seed", "offset"),
+        f"compile_rng: the ranks of the {mesh.device_type} mesh {mesh.mesh.tolist()} reach their first "
+        "DTensor random op with different RNG states",
+        "Replicas would silently differ. Seed every rank of an SPMD mesh alike (torch.manual_seed / "
+        "compile_rng.manual_seed / torch.distributed.tensor._random.manual_seed(seed, mesh)); pipeline "
+        "stages may use different seeds, ranks within a stage may not.",
+    )
