@@ -9,7 +9,8 @@ values are real); every case runs compiled and eagerly (inside ``eager_stream`` 
 * tracker layout: the ranks' attention-dropout masks differ, and each is the scalar
   reference's stream at the tracker's counters of the attention matrix's ``Shard(1)``;
 * invariant layout: the ranks' heads assemble to the single device's masks bitwise, also
-  when the program reshapes with sizes read off the local shape (``flat``);
+  when the program reshapes with sizes read off the local shape (``flat``), and when the
+  module is checkpointed inside the compiled code (the region is a subgraph);
 * transformers' Llama attention under its plain plan: the attention dropout is drawn as
   a DTensor op on the head-sharded attention matrix;
 * a shard whose layout DTensor's rules cannot describe: the random op is refused, with
@@ -35,7 +36,7 @@ from compile_rng.eager.dispatch_modes import eager_stream
 SEED = 5
 B, S, D, H = 2, 4, 8, 4  # heads of 2 features: 2 heads per rank on 2 ranks
 P = 0.5
-HOWS = ("compiled", "eager", "step")
+HOWS = ("compiled", "eager", "step", "checkpointed")
 
 
 class Scores(nn.Module):
@@ -80,6 +81,10 @@ def _run(model: nn.Module, x: torch.Tensor, layout: str, how: str):
     compile_rng.manual_seed(SEED)
     if how == "compiled":
         return torch.compile(model, backend=compile_rng.backend(layout=layout))(x)
+    if how == "checkpointed":  # AC, then compile (torchtitan's order): the region is a subgraph
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        return torch.compile(checkpoint_wrapper(model), backend=compile_rng.backend(layout=layout))(x)
     if how == "step":  # a step's layout is invariant: element (i, ...) at its row of the batch
         assert layout == "invariant"
         with compile_rng.step(x.shape[0]):

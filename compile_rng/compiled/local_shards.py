@@ -33,6 +33,10 @@ Example (Llama's attention, TP=2, ``q_proj`` a plain ``ColwiseParallel()``)::
     # matrix (2, 4, 16, 16) at its Shard(1) counters (tracker or invariant layout)
     attn = ShardedCall(scaled_dot_product_attention, Shard(1) of (2, 4, 16, 16))(query_states, ...)
 
+A checkpointed region inside the graph (activation checkpointing applied before the
+compile, torchtitan's order) is a higher-order op with a subgraph: the analysis runs in the
+subgraph too, whose own ``to_local()`` calls start shard values there.
+
 Not covered: a shard that leaves the graph (a graph break between ``to_local`` and the
 random op) arrives in the next graph as a plain input and is drawn as a replica; keep
 such code in one graph, or keep the tensor a DTensor (``use_local_output=False``).
@@ -48,7 +52,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from compile_rng._torch.core_internals import TorchDispatchMode, detect_fake_mode, tree_leaves
+from compile_rng._torch.core_internals import TorchDispatchMode, detect_fake_mode, higher_order_op_name, tree_leaves
 from compile_rng._torch.dtensor_internals import distribute_region, dtensor_spec, local_tensor
 from compile_rng.eager import tracker
 from compile_rng.eager.dispatch_modes import RandomOpMode, drawn_shape
@@ -244,6 +248,11 @@ def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
     analysis = _Analysis(gm.graph)
     count = 0
     for node in gm.graph.nodes:
+        for body in _bodies(gm, node):
+            # a checkpointed region (AC inside the compiled code) is a subgraph: its own
+            # to_local()s start shard values there; a piece it returns is lost out here
+            if any(layout is not None for layout in rewrite(body)):
+                analysis.values[node] = Lost(f"{_describe(node)} returns a TP rank's local piece")
         if node.op not in ("call_function", "call_method") or analysis.start(node):
             continue
         if not analysis.operands(node) or node.target is DTensor.from_local:
@@ -264,6 +273,16 @@ def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
     if count:
         gm.recompile()
     return [_output_layout(analysis.values.get(n)) for n in tree_leaves(gm.graph.output_node().args)]
+
+
+def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The subgraphs a higher-order op node runs (``tag_activation_checkpoint``'s body)."""
+    if node.op != "call_function" or higher_order_op_name(node.target) is None:
+        return []
+    return [
+        getattr(gm, arg.target) for arg in node.args
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and isinstance(getattr(gm, arg.target, None), fx.GraphModule)
+    ]
 
 
 def _output_layout(value: Any) -> Layout | Lost | None:
