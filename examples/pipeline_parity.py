@@ -6,12 +6,15 @@ torchtitan splits a model - each stage a module that keeps the unsplit model's n
 (layers in a ``ModuleDict`` keyed by their original index) - and trained with
 ``torch.distributed.pipelining``'s schedules on gloo ranks:
 
-* ``GPipe`` and ``1F1B``: 2 stages on 2 ranks; ``Interleaved1F1B``: 4 stages, 2 per rank;
-* ``PP=2`` (eager), ``PP=2+AC`` (every block in ``checkpoint_wrapper``), ``PP=2+AC+compile``
-  (torchtitan's recipe: AC, then every block compiled with ``fullgraph=True`` by
-  ``compile_rng.backend(layout="invariant", batched=True)``) on 2 ranks; ``PP=2xDP=2``
-  (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain ``ColwiseParallel()`` /
-  ``RowwiseParallel()`` plan, local outputs) on 4 ranks;
+* ``GPipe`` and ``1F1B``: 2 stages on 2 ranks; ``Interleaved1F1B`` and
+  ``InterleavedZeroBubble`` (each backward in an input and a weight half): 4 stages, 2 per rank;
+* ``PP=2`` (eager), ``+AC`` (every block in ``checkpoint_wrapper``: torchtitan's full AC),
+  ``+SAC`` (torchtitan's selective AC: the same wrapper with torch's op-level policy),
+  ``+compile`` (every block compiled with ``fullgraph=True`` by
+  ``compile_rng.backend(layout="invariant", batched=True)``, after AC as torchtitan does) on
+  2 ranks; ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
+  ``ColwiseParallel()`` / ``RowwiseParallel()`` plan, local outputs), also with AC and
+  compile (torchtitan's whole recipe: TP, AC, compile, then FSDP2), on 4 ranks;
 * any number of microbatches.
 
 Every step runs in ``compile_rng.step(local_batch, names=stages, microbatches=n)``: each
@@ -185,6 +188,25 @@ def checkpoint_blocks(module: nn.Module) -> None:
         setattr(blocks, key, checkpoint_wrapper(block))
 
 
+def selective_checkpoint_blocks(module: nn.Module) -> None:
+    """torchtitan's selective (op-level) AC: each block in ``checkpoint_wrapper`` with
+    torch's selective checkpoint policy (matmuls saved, the rest - dropout included -
+    recomputed in backward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    blocks = _block_dict(module)
+    for key, block in list(blocks.named_children()):
+        setattr(blocks, key, checkpoint_wrapper(
+            block, context_fn=functools.partial(create_selective_checkpoint_contexts, policy)))
+
+
+AC = {"full": checkpoint_blocks, "selective": selective_checkpoint_blocks}
+
+
 @functools.cache
 def block_backend():
     """The backend of compiled blocks (one object: Dynamo recompiles a function it
@@ -208,7 +230,7 @@ class Composition:
     pp: int = 2
     dp: int = 1
     tp: int = 1
-    ac: bool = False  # every block in checkpoint_wrapper (torchtitan's full AC)
+    ac: str = ""  # "full": every block in checkpoint_wrapper (torchtitan's full AC); "selective": op-level
     compiled: bool = False  # every block compiled on its own (torchtitan: after AC, before FSDP2)
 
     @property
@@ -217,10 +239,19 @@ class Composition:
 
 
 COMPOSITIONS = {
-    "PP=2": Composition(), "PP=2+AC": Composition(ac=True),
-    "PP=2+AC+compile": Composition(ac=True, compiled=True), "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
+    "PP=2": Composition(), "PP=2+AC": Composition(ac="full"), "PP=2+SAC": Composition(ac="selective"),
+    "PP=2+compile": Composition(compiled=True), "PP=2+AC+compile": Composition(ac="full", compiled=True),
+    "PP=2+SAC+compile": Composition(ac="selective", compiled=True),
+    "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
+    # torchtitan's whole recipe: TP, AC, per-block compile, then FSDP2 - on pipeline stages
+    "PP=2xDP=2+AC+compile": Composition(dp=2, ac="full", compiled=True),
+    "PP=2xTP=2+compile": Composition(tp=2, compiled=True),
+    "PP=2xTP=2+AC+compile": Composition(tp=2, ac="full", compiled=True),
 }
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # stages per rank
+# stages per rank; the zero-bubble schedule splits each backward into an input and a
+# weight half (``backward_weight_one_chunk``)
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2}
+ZERO_BUBBLE = {"InterleavedZeroBubble"}
 FAMILIES = ("gpt", "llama")
 
 
@@ -241,14 +272,14 @@ def _tensor_parallel(module: nn.Module, tp_mesh) -> None:
 
 
 def _schedule(name: str, stages: list, microbatches: int):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    if name == "Interleaved1F1B":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name]
+    cls = getattr(pipelining, f"Schedule{name}")
+    if SCHEDULES[name] > 1:  # the multi-stage schedules take this rank's stages
+        return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
 
@@ -270,11 +301,18 @@ class Pipeline:
         self.dp_mesh = mesh["dp"] if how.dp > 1 else None
         self.dp_coord = mesh[inner].get_local_rank() if how.dp > 1 else 0
         self.dp, self.tp = how.dp, how.tp
+        if how.compiled and schedule in ZERO_BUBBLE:
+            # stock torch's rule, compile_rng or not: a zero-bubble schedule runs a compiled
+            # backward in two halves (input, then weight gradients, retain_graph=True), which
+            # AOTAutograd's donated buffers refuse
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
         for module in self.modules:
             if how.tp > 1:
                 _tensor_parallel(module, mesh["tp"])
             if how.ac:
-                checkpoint_blocks(module)
+                AC[how.ac](module)
             if how.compiled:
                 compile_blocks(module, backend)
             if how.dp > 1:

@@ -17,7 +17,6 @@
 """
 
 import copy
-import functools
 import sys
 from pathlib import Path
 
@@ -184,22 +183,6 @@ def _gpt_step(model: nn.Module):
     return pp.single_step(model, tokens, targets, microbatches=2), [p.grad for p in model.parameters()]
 
 
-def _selective_ac(model: nn.Module) -> None:
-    """torchtitan's selective AC: each block in ``checkpoint_wrapper`` with torch's
-    selective checkpoint policy (matmuls saved, the rest - dropout included - recomputed)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    blocks = model.blocks
-    for key in list(blocks):
-        blocks[key] = checkpoint_wrapper(
-            blocks[key], context_fn=functools.partial(create_selective_checkpoint_contexts, policy)
-        )
-
-
 def _compile_blocks(model: nn.Module) -> None:
     for block in pp.transformer_blocks(model):
         block.compile(backend=BACKEND)
@@ -209,7 +192,7 @@ STACKS = {  # torchtitan's order is AC, then per-block compile
     "blocks compiled": [_compile_blocks],
     "AC, then blocks compiled": [pp.checkpoint_blocks, _compile_blocks],
     "blocks compiled, then AC": [_compile_blocks, pp.checkpoint_blocks],
-    "selective AC, then blocks compiled": [_selective_ac, _compile_blocks],
+    "selective AC, then blocks compiled": [pp.selective_checkpoint_blocks, _compile_blocks],
 }
 
 
@@ -253,3 +236,59 @@ def test_checkpointed_compiled_attention_without_dropout_runs_in_a_named_step():
     wrapped[0].compile(backend=BACKEND)
     (want, _), (got, _) = _run(eager), _run(wrapped)
     assert torch.equal(got[0], want[0])
+
+
+# --- a backward in two halves (zero-bubble schedules) ------------------------------------
+
+
+def _block_gradients(split: bool) -> list[torch.Tensor]:
+    """Block 1 of the pipeline example's GPT compiled alone, in a named step: its weights'
+    gradients from one backward, or (``split``) from a zero-bubble schedule's two halves -
+    torch's own ``stage_backward_input``, then ``stage_backward_weight``, which runs the
+    compiled backward a second time on the same saved tensors."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = pp.whole_model("gpt")
+    block = model.blocks["1"]
+    block.compile(backend=BACKEND)
+    params = list(block.parameters())
+    x = torch.randn(BATCH, pp.CONFIG.seq, pp.CONFIG.dim, dtype=torch.float64, requires_grad=True)
+    grad = torch.linspace(0, 1, x.numel(), dtype=x.dtype).reshape(x.shape)
+    with compile_rng.step(BATCH, names=model):
+        y = block(x)
+        if split:
+            _, groups = stage_backward_input([y], [grad], [x], iter(params))
+            stage_backward_weight(iter(params), groups)
+        else:
+            y.backward(grad)
+    return [p.grad for p in params]
+
+
+@pytest.mark.slow
+def test_a_backward_in_two_halves_regenerates_the_forward_masks():
+    """A zero-bubble schedule needs ``donated_buffer=False`` (stock torch's rule); a graph
+    compiled and cached before with donated buffers must not be reused then: its backward
+    overwrites the saved tensors its second half reads (the attention's dropout-mask path:
+    q, k and norm weights 1e-5 off)."""
+    import torch._functorch.config as functorch_config
+
+    once = _block_gradients(split=False)  # donated buffers on (torch's default): compiled, cached
+    torch._dynamo.reset()  # the next compile looks the graph up in the caches
+    with functorch_config.patch(donated_buffer=False):
+        halves = _block_gradients(split=True)
+    for name, got, want in zip([n for n, _ in pp.whole_model("gpt").blocks["1"].named_parameters()], halves, once):
+        assert torch.equal(got, want), name
+
+
+def test_the_compile_cache_key_holds_the_donated_buffer_setting():
+    import torch._functorch.config as functorch_config
+
+    from compile_rng.compiled.joint_pass import JointPass
+    from compile_rng.passes.plan import RngPlan
+
+    joint_pass = JointPass(RngPlan(name="g", layout="invariant"))
+    with functorch_config.patch(donated_buffer=True):
+        donating = joint_pass.uuid()
+    with functorch_config.patch(donated_buffer=False):
+        assert joint_pass.uuid() != donating

@@ -31,6 +31,7 @@ __all__ = [
     "compiled_frame",
     "copy_dynamo_input_sources",
     "default_partition",
+    "donated_buffers",
     "disable_dynamo",
     "dynamo_module_call",
     "dynamo_module_path",
@@ -69,6 +70,18 @@ def autograd_cache_off() -> Any:
     import torch._functorch.config
 
     return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+def donated_buffers() -> bool:
+    """AOTAutograd's ``donated_buffer`` setting: whether a compiled backward may reuse its
+    saved tensors' memory (then it runs only once per forward). Users turn it off for
+    ``retain_graph`` backwards - a zero-bubble pipeline schedule's input-then-weight halves.
+    torch 2.13-2.15 check it only at run time, and a cached artifact compiled with it on
+    still overwrites its saved tensors: compile_rng keys its compiles on it (checked on
+    2.13.0: a zero-bubble step's weight gradients 6e-6 off without the key)."""
+    import torch._functorch.config
+
+    return bool(torch._functorch.config.donated_buffer)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from compile_rng._torch import inductor_internals
+from compile_rng._torch import dynamo_internals, inductor_internals
 from compile_rng import passes
 from compile_rng.passes.functionalize_rng import functionalize_rng
 from compile_rng.passes.plan import RngPlan
@@ -40,7 +40,7 @@ def source_hash() -> str:
 class JointPass(inductor_internals.CustomGraphPass):
     """compile_rng's rewrite as Inductor's ``joint_custom_pre_pass`` (then the user's own
     pass, if any). Its :meth:`uuid` is what Inductor's FX-graph and AOTAutograd's caches
-    key the pass on: compile_rng's sources and the layout - no rank, coordinate or device
+    key the pass on: compile_rng's sources, the layout and AOTAutograd's donated buffers - no rank, coordinate or device
     (the rewritten graph computes the coordinate at run time), so one Inductor artifact
     serves every rank (a DTensor graph's AOTAutograd key gets the rank besides: see the
     module's docstring). A user pass without a uuid makes it ``None``: the caches are then
@@ -64,4 +64,5 @@ class JointPass(inductor_internals.CustomGraphPass):
             user = self.user_pass.uuid() if isinstance(self.user_pass, inductor_internals.CustomGraphPass) else None
             if user is None:
                 return None
-        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.collect_unsupported, user)
+        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.collect_unsupported,
+                dynamo_internals.donated_buffers(), user)
