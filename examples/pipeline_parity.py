@@ -11,8 +11,8 @@ torchtitan splits a model - each stage a module that keeps the unsplit model's n
 * ``PP=2`` (eager), ``+AC`` (every block in ``checkpoint_wrapper``: torchtitan's full AC),
   ``+SAC`` (torchtitan's selective AC: the same wrapper with torch's op-level policy),
   ``+compile`` (every block compiled with ``fullgraph=True`` by
-  ``compile_rng.backend(layout="invariant", batched=True)``, after AC as torchtitan does) on
-  2 ranks; ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
+  ``compile_rng.backend(layout="invariant", batched=True)``, after AC as torchtitan does),
+  ``+compile(stage)`` (the stage's whole module compiled, graph breaks allowed) on 2 ranks; ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
   ``ColwiseParallel()`` / ``RowwiseParallel()`` plan, local outputs), also with AC and
   compile (torchtitan's whole recipe: TP, AC, compile, then FSDP2), on 4 ranks;
 * any number of microbatches.
@@ -231,7 +231,7 @@ class Composition:
     dp: int = 1
     tp: int = 1
     ac: str = ""  # "full": every block in checkpoint_wrapper (torchtitan's full AC); "selective": op-level
-    compiled: bool = False  # every block compiled on its own (torchtitan: after AC, before FSDP2)
+    compiled: str = ""  # "blocks": each block compiled (torchtitan: after AC, before FSDP2); "stage": the stage
 
     @property
     def world(self) -> int:
@@ -240,18 +240,18 @@ class Composition:
 
 COMPOSITIONS = {
     "PP=2": Composition(), "PP=2+AC": Composition(ac="full"), "PP=2+SAC": Composition(ac="selective"),
-    "PP=2+compile": Composition(compiled=True), "PP=2+AC+compile": Composition(ac="full", compiled=True),
-    "PP=2+SAC+compile": Composition(ac="selective", compiled=True),
+    "PP=2+compile": Composition(compiled="blocks"), "PP=2+AC+compile": Composition(ac="full", compiled="blocks"),
+    "PP=2+SAC+compile": Composition(ac="selective", compiled="blocks"),
+    "PP=2+compile(stage)": Composition(compiled="stage"), "PP=2+AC+compile(stage)": Composition(ac="full", compiled="stage"),
     "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
     # torchtitan's whole recipe: TP, AC, per-block compile, then FSDP2 - on pipeline stages
-    "PP=2xDP=2+AC+compile": Composition(dp=2, ac="full", compiled=True),
-    "PP=2xTP=2+compile": Composition(tp=2, compiled=True),
-    "PP=2xTP=2+AC+compile": Composition(tp=2, ac="full", compiled=True),
+    "PP=2xDP=2+AC+compile": Composition(dp=2, ac="full", compiled="blocks"),
+    "PP=2xTP=2+compile": Composition(tp=2, compiled="blocks"),
+    "PP=2xTP=2+AC+compile": Composition(tp=2, ac="full", compiled="blocks"),
 }
 # stages per rank; the zero-bubble schedule splits each backward into an input and a
 # weight half (``backward_weight_one_chunk``)
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2}
-ZERO_BUBBLE = {"InterleavedZeroBubble"}
 FAMILIES = ("gpt", "llama")
 
 
@@ -301,10 +301,11 @@ class Pipeline:
         self.dp_mesh = mesh["dp"] if how.dp > 1 else None
         self.dp_coord = mesh[inner].get_local_rank() if how.dp > 1 else 0
         self.dp, self.tp = how.dp, how.tp
-        if how.compiled and schedule in ZERO_BUBBLE:
+        if how.compiled:
             # stock torch's rule, compile_rng or not: a zero-bubble schedule runs a compiled
             # backward in two halves (input, then weight gradients, retain_graph=True), which
-            # AOTAutograd's donated buffers refuse
+            # AOTAutograd's donated buffers refuse; set for every job, before the first
+            # compile (a graph compiled with them on must not run after)
             import torch._functorch.config as functorch_config
 
             functorch_config.donated_buffer = False
@@ -313,8 +314,10 @@ class Pipeline:
                 _tensor_parallel(module, mesh["tp"])
             if how.ac:
                 AC[how.ac](module)
-            if how.compiled:
+            if how.compiled == "blocks":
                 compile_blocks(module, backend)
+            elif how.compiled == "stage":  # the whole stage in one compile (graph breaks allowed)
+                module.compile(backend=backend or block_backend())
             if how.dp > 1:
                 from torch.distributed.fsdp import fully_shard
 
@@ -441,11 +444,21 @@ def max_relative_difference(curve: list[float], reference: list[float]) -> float
     return max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
 
 
+def refused_by_torch(schedule: str, composition: str) -> str | None:
+    """Why stock torch refuses a cell (compile_rng or not), or None."""
+    how = COMPOSITIONS[composition]
+    if schedule == "InterleavedZeroBubble" and how.ac == "selective" and not how.compiled:
+        return ("an eager selective-AC region may be backwarded once only, and a zero-bubble schedule "
+                "backwards it twice (input, then weight gradients)")
+    return None
+
+
 JOBS = [
     (family, schedule, composition)
     for family in FAMILIES
     for schedule in SCHEDULES
     for composition in COMPOSITIONS
+    if refused_by_torch(schedule, composition) is None
 ]
 
 

@@ -160,8 +160,10 @@ def test_the_pass_uuid_names_sources_and_layout_not_the_rank():
     from compile_rng.compiled.joint_pass import JointPass, source_hash
     from compile_rng.passes.plan import RngPlan
 
+    import torch._functorch.config as functorch_config
+
     tracker = JointPass(RngPlan(name="g", layout="tracker")).uuid()
-    assert tracker == (source_hash(), "tracker", False, False, None)
+    assert tracker == (source_hash(), "tracker", False, False, functorch_config.donated_buffer, None)
     assert JointPass(RngPlan(name="other", layout="tracker")).uuid() == tracker  # graph names do not matter
     assert JointPass(RngPlan(name="g", layout="invariant")).uuid() != tracker
     assert JointPass(RngPlan(name="g", layout="tracker"), user_pass=lambda g: None).uuid() is None  # bypass

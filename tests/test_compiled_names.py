@@ -292,3 +292,14 @@ def test_the_compile_cache_key_holds_the_donated_buffer_setting():
         donating = joint_pass.uuid()
     with functorch_config.patch(donated_buffer=False):
         assert joint_pass.uuid() != donating
+
+
+def test_a_graph_compiled_with_donated_buffers_refuses_to_run_without_them():
+    import torch._functorch.config as functorch_config
+
+    compiled = torch.compile(lambda x: F.dropout(x, 0.5) * x, backend=compile_rng.backend())
+    x = torch.ones(8, requires_grad=True)
+    with functorch_config.patch(donated_buffer=True):
+        compiled(x)
+    with functorch_config.patch(donated_buffer=False), pytest.raises(RuntimeError, match="donated buffers on"):
+        compiled(x)

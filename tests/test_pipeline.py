@@ -9,10 +9,12 @@
 * on real gloo ranks, a GPT's block's dropped elements under 1F1B with 4 microbatches
   are bitwise the single process's, forward and backward; torch's own generator
   (no ``names=``) is not;
-* (slow) every step's float64 loss of GPT and transformers Llama under GPipe, 1F1B and
-  interleaved 1F1B, PP=2, PP=2 with every block in ``checkpoint_wrapper`` (and then
-  compiled, torchtitan's recipe), PP=2xDP=2 (FSDP2) and PP=2xTP=2, is within 1e-9 relative of
-  the single process's, for 2, 4 and 8 microbatches; stages seeded ``seed + pp_rank``
+* (slow) every step's float64 loss of GPT and transformers Llama under GPipe, 1F1B,
+  interleaved 1F1B and interleaved zero bubble, PP=2 eager, with full or selective AC
+  (``checkpoint_wrapper``), with compiled blocks (after AC, torchtitan's recipe),
+  PP=2xDP=2 (FSDP2) and PP=2xTP=2, eager or with AC and compiled blocks, is within 1e-9
+  relative of the single process's, for 2, 4 and 8 microbatches (CI runs the cells of
+  :data:`CI_JOBS`, ``make test-all`` the whole matrix); stages seeded ``seed + pp_rank``
   are refused.
 """
 
@@ -254,26 +256,31 @@ def references():
     return {family: pp.train_single(family, STEPS) for family in pp.FAMILIES}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_and_composition_keeps_the_single_process_curve(world, references):
-    jobs = [
-        (family, schedule, composition, 4, True)
-        for family in pp.FAMILIES
-        for schedule in pp.SCHEDULES
-        for composition, how in pp.COMPOSITIONS.items()
-        if how.world == world
-    ]
-    if world == 4:  # CI's budget: every schedule x composition once, each family under both compositions
-        covering = {("gpt", "GPipe", "PP=2xDP=2"), ("gpt", "1F1B", "PP=2xTP=2"), ("gpt", "Interleaved1F1B", "PP=2xDP=2"),
-                    ("llama", "GPipe", "PP=2xTP=2"), ("llama", "1F1B", "PP=2xDP=2"),
-                    ("llama", "Interleaved1F1B", "PP=2xTP=2")}
-        jobs = [job for job in jobs if job[:3] in covering]
-    if world == 2:  # compiled blocks (CI's budget: each family once), microbatch counts, torch's own generator
-        compiled = {("gpt", "Interleaved1F1B"), ("llama", "1F1B")}
-        jobs = [job for job in jobs if not pp.COMPOSITIONS[job[2]].compiled or job[:2] in compiled]
-        jobs += [("gpt", "1F1B", "PP=2", 2, True), ("gpt", "Interleaved1F1B", "PP=2", 8, True)]
-        jobs += [("llama", "GPipe", "PP=2", 4, False)]
+# CI's cells, 4 microbatches unless given: every schedule eager; full and selective AC
+# under every schedule across the two families; compiled stages under each kind of
+# schedule (zero-bubble: a compiled backward in two halves), with FSDP2 (torchtitan's
+# whole recipe) and with the plain TP plan; every schedule x 4-rank composition once.
+CI_JOBS = {
+    2: [(family, schedule, "PP=2") for family in pp.FAMILIES for schedule in pp.SCHEDULES] + [
+        ("gpt", "GPipe", "PP=2+AC"), ("gpt", "1F1B", "PP=2+SAC"), ("gpt", "Interleaved1F1B", "PP=2+SAC"),
+        ("llama", "GPipe", "PP=2+SAC"), ("llama", "1F1B", "PP=2+AC"), ("llama", "InterleavedZeroBubble", "PP=2+AC"),
+        ("gpt", "GPipe", "PP=2+compile"), ("gpt", "Interleaved1F1B", "PP=2+AC+compile"),
+        ("gpt", "InterleavedZeroBubble", "PP=2+SAC+compile"), ("llama", "1F1B", "PP=2+AC+compile"),
+        ("gpt", "1F1B", "PP=2", 2), ("gpt", "Interleaved1F1B", "PP=2", 8),
+        ("llama", "GPipe", "PP=2", 4, False),  # torch's own generator: another curve
+    ],
+    4: [("gpt", "GPipe", "PP=2xDP=2"), ("gpt", "1F1B", "PP=2xTP=2+AC+compile"),
+        ("gpt", "Interleaved1F1B", "PP=2xDP=2+AC+compile"), ("llama", "GPipe", "PP=2xTP=2"),
+        ("llama", "1F1B", "PP=2xDP=2"), ("llama", "Interleaved1F1B", "PP=2xTP=2")],
+}
+
+
+def _job(cell: tuple) -> tuple:
+    """``(family, schedule, composition, microbatches, named)`` of a cell."""
+    return (*cell[:3], *cell[3:], 4, True)[:5]
+
+
+def _check_curves(world: int, jobs: list, references: dict) -> None:
     results = _run_jobs(world, jobs)
     for (family, schedule, composition, microbatches, named), curve in results.items():
         difference = pp.max_relative_difference(curve, references[family])
@@ -282,6 +289,22 @@ def test_every_schedule_and_composition_keeps_the_single_process_curve(world, re
             assert difference < TOLERANCE, (family, schedule, composition, microbatches)
         else:
             assert difference > 1e-6, (family, schedule, composition)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_and_composition_keeps_the_single_process_curve(world, references):
+    _check_curves(world, [_job(cell) for cell in CI_JOBS[world]], references)
+
+
+@pytest.mark.slow
+@pytest.mark.sweep
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_whole_schedule_compile_and_ac_matrix_keeps_the_curve(world, references):
+    """The cells CI leaves out (``make test-all``): every family x schedule x composition."""
+    done = {_job(cell)[:3] for cell in CI_JOBS[world]}
+    jobs = [_job(job) for job in pp.JOBS if pp.COMPOSITIONS[job[2]].world == world and job not in done]
+    _check_curves(world, jobs, references)
 
 
 def _seeded_per_stage_body(rank: int, world: int, out: str) -> None:

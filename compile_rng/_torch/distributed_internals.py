@@ -46,7 +46,11 @@ def symbolic_mesh_coordinate(mesh: Any) -> list:
 
 def mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     """``rank``'s coordinate in ``mesh``, computed as the runtime op does (a mesh object
-    cached from another process-group incarnation must not leak its coordinate)."""
+    cached from another process-group incarnation must not leak its coordinate). A
+    ``FakeScriptObject`` stands for the mesh it holds (``real_obj``): AOTAutograd traces a
+    mesh as one, and on 2.13.0 one reached an eager draw's layout once a graph with
+    tensor-parallel code inside a checkpointed region had compiled in the process."""
+    mesh = getattr(mesh, "real_obj", mesh)
     return type(mesh)._compute_coordinates_from_mesh(mesh.mesh, rank)
 
 
@@ -58,7 +62,7 @@ def traced_mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return mesh_coordinate_of_rank(getattr(mesh, "real_obj", mesh), rank)
+        return mesh_coordinate_of_rank(mesh, rank)
 
 
 def local_tensor_mode_enabled() -> bool:

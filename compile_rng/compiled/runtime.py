@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from compile_rng._torch import dynamo_internals
 from compile_rng.compiled.named_keys import KeyTable
 from compile_rng.compiled.symbols import SizeFn
 from compile_rng.eager import dispatch_modes
@@ -110,6 +111,9 @@ class CompiledGraph:
         self.groups: list = []
         self.pieces = LocalPieces(plan, len(placeholders), output_layouts)
         self.table = KeyTable(plan, placeholders, device) if plan.batched else None
+        # a backward compiled with donated buffers overwrites its saved tensors: it must
+        # not run once they are off (Dynamo does not recompile for that setting)
+        self.donated = dynamo_internals.donated_buffers()
 
     def _check_ranks(self) -> None:
         if not self.groups:  # the process groups exist once the graph runs
@@ -125,6 +129,14 @@ class CompiledGraph:
                 "compile_rng.step(names=...), but it was compiled by a backend without batched=True: "
                 "named streams draw at the ops' rows of the step's batch. Compile with "
                 "compile_rng.backend(layout='invariant', batched=True)"
+            )
+        if self.donated and not dynamo_internals.donated_buffers():
+            raise RuntimeError(
+                f"compile_rng: the compiled graph {self.plan.name} was compiled with AOTAutograd's donated "
+                "buffers on, and torch._functorch.config.donated_buffer is off now: its backward would "
+                "overwrite the saved tensors a second backward (retain_graph, a zero-bubble schedule's "
+                "weight half) reads, and torch would not say so. Set donated_buffer before the first "
+                "compile, or call torch._dynamo.reset() after changing it"
             )
         if self.check:
             self._check_ranks()
