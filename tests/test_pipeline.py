@@ -264,8 +264,9 @@ CI_JOBS = {
     2: [(family, schedule, "PP=2") for family in pp.FAMILIES for schedule in pp.SCHEDULES] + [
         ("gpt", "GPipe", "PP=2+AC"), ("gpt", "1F1B", "PP=2+SAC"), ("gpt", "Interleaved1F1B", "PP=2+SAC"),
         ("llama", "GPipe", "PP=2+SAC"), ("llama", "1F1B", "PP=2+AC"), ("llama", "InterleavedZeroBubble", "PP=2+AC"),
-        ("gpt", "GPipe", "PP=2+compile"), ("gpt", "Interleaved1F1B", "PP=2+AC+compile"),
+        ("gpt", "Interleaved1F1B", "PP=2+AC+compile"),
         ("gpt", "InterleavedZeroBubble", "PP=2+SAC+compile"), ("llama", "1F1B", "PP=2+AC+compile"),
+        ("gpt", "1F1B", "PP=2+AC+compile(stage)"),
         ("gpt", "1F1B", "PP=2", 2), ("gpt", "Interleaved1F1B", "PP=2", 8),
         ("llama", "GPipe", "PP=2", 4, False),  # torch's own generator: another curve
     ],
@@ -276,8 +277,8 @@ CI_JOBS = {
 
 
 def _job(cell: tuple) -> tuple:
-    """``(family, schedule, composition, microbatches, named)`` of a cell."""
-    return (*cell[:3], *cell[3:], 4, True)[:5]
+    """``(family, schedule, composition, microbatches, named)`` of a cell (4 and True unless given)."""
+    return (*cell, *(4, True)[len(cell) - 3:])
 
 
 def _check_curves(world: int, jobs: list, references: dict) -> None:
