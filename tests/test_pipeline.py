@@ -258,20 +258,21 @@ def references():
 
 # CI's cells, 4 microbatches unless given: every schedule eager; full and selective AC
 # under every schedule across the two families; compiled stages under each kind of
-# schedule (zero-bubble: a compiled backward in two halves), with FSDP2 (torchtitan's
-# whole recipe) and with the plain TP plan; every schedule x 4-rank composition once.
+# schedule (zero-bubble: a compiled backward in two halves); every schedule x 4-rank
+# composition once, eager. The 4-rank compiled stages (torchtitan's whole recipe with
+# FSDP2, the plain TP plan with AC) and whole-stage compiles take minutes each on these
+# 2-core machines: `make test-all` runs them with the rest of the matrix.
 CI_JOBS = {
     2: [(family, schedule, "PP=2") for family in pp.FAMILIES for schedule in pp.SCHEDULES] + [
         ("gpt", "GPipe", "PP=2+AC"), ("gpt", "1F1B", "PP=2+SAC"), ("gpt", "Interleaved1F1B", "PP=2+SAC"),
         ("llama", "GPipe", "PP=2+SAC"), ("llama", "1F1B", "PP=2+AC"), ("llama", "InterleavedZeroBubble", "PP=2+AC"),
         ("gpt", "Interleaved1F1B", "PP=2+AC+compile"),
         ("gpt", "InterleavedZeroBubble", "PP=2+SAC+compile"), ("llama", "1F1B", "PP=2+AC+compile"),
-        ("gpt", "1F1B", "PP=2+AC+compile(stage)"),
         ("gpt", "1F1B", "PP=2", 2), ("gpt", "Interleaved1F1B", "PP=2", 8),
         ("llama", "GPipe", "PP=2", 4, False),  # torch's own generator: another curve
     ],
-    4: [("gpt", "GPipe", "PP=2xDP=2"), ("gpt", "1F1B", "PP=2xTP=2+AC+compile"),
-        ("gpt", "Interleaved1F1B", "PP=2xDP=2+AC+compile"), ("llama", "GPipe", "PP=2xTP=2"),
+    4: [("gpt", "GPipe", "PP=2xDP=2"), ("gpt", "1F1B", "PP=2xTP=2"),
+        ("gpt", "Interleaved1F1B", "PP=2xDP=2"), ("llama", "GPipe", "PP=2xTP=2"),
         ("llama", "1F1B", "PP=2xDP=2"), ("llama", "Interleaved1F1B", "PP=2xTP=2")],
 }
 

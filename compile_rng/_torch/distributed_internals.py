@@ -48,9 +48,14 @@ def mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     """``rank``'s coordinate in ``mesh``, computed as the runtime op does (a mesh object
     cached from another process-group incarnation must not leak its coordinate). A
     ``FakeScriptObject`` stands for the mesh it holds (``real_obj``): AOTAutograd traces a
-    mesh as one, and on 2.13.0 one reached an eager draw's layout once a graph with
-    tensor-parallel code inside a checkpointed region had compiled in the process."""
-    mesh = getattr(mesh, "real_obj", mesh)
+    mesh as one (``torch._library``, private; 2.13.0), and on 2.13.0 one reached an eager
+    draw's layout once a graph with tensor-parallel code inside a checkpointed region had
+    compiled in the process."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    # not while Dynamo traces: it takes the real mesh for one and refuses unknown attributes
+    if not torch.compiler.is_compiling() and isinstance(mesh, FakeScriptObject):
+        mesh = mesh.real_obj
     return type(mesh)._compute_coordinates_from_mesh(mesh.mesh, rank)
 
 
