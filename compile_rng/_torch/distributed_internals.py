@@ -54,6 +54,7 @@ def mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     from torch._library.fake_class_registry import FakeScriptObject
 
     # not while Dynamo traces: it takes the real mesh for one and refuses unknown attributes
+    # (AOTAutograd's trace unwraps its own: traced_mesh_coordinate_of_rank)
     if not torch.compiler.is_compiling() and isinstance(mesh, FakeScriptObject):
         mesh = mesh.real_obj
     return type(mesh)._compute_coordinates_from_mesh(mesh.mesh, rank)
@@ -67,7 +68,7 @@ def traced_mesh_coordinate_of_rank(mesh: Any, rank: int) -> list | None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return mesh_coordinate_of_rank(mesh, rank)
+        return mesh_coordinate_of_rank(getattr(mesh, "real_obj", mesh), rank)
 
 
 def local_tensor_mode_enabled() -> bool:
