@@ -12,8 +12,8 @@ import reference as ref
 import torch
 from helpers import BASES, SEEDS, ulp_distance
 
-import compile_rng.ops.lowering  # noqa: F401  (registers the lowerings)
 from compile_rng import ops
+from compile_rng.ops import lowering  # registers the lowerings
 
 X = torch.randn(5, 37, dtype=torch.float32)
 XB = torch.randn(5, 37, dtype=torch.bfloat16)
@@ -66,10 +66,17 @@ def some_ops(names, key, x, xb, p):
 
 @pytest.fixture(scope="module")
 def compiled():
+    """The fused loops, whatever this CPU (without AVX-512 a compiled graph would call the
+    eager ops instead: :func:`test_without_avx512_every_static_stream_takes_the_eager_op`)."""
     torch._dynamo.reset()
     assert sorted(sum(GROUPS, [])) == sorted(all_ops(ops.make_key(0, 0), X, XB, P))
     graphs = [torch.compile(functools.partial(some_ops, names), backend="inductor", fullgraph=True) for names in GROUPS]
-    return lambda *args: {name: value for graph in graphs for name, value in graph(*args).items()}
+
+    def run(*args):
+        with lowering.fused_loops():
+            return {name: value for graph in graphs for name, value in graph(*args).items()}
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -141,57 +148,64 @@ def test_large_streams_take_the_c_kernel_with_the_same_bits():
 
 
 @pytest.mark.parametrize("isa, extern", [("avx512", False), ("avx2", True)])
-def test_without_avx512_shorter_streams_take_the_c_kernel(monkeypatch, isa, extern):
-    """The fused loop's 64-bit multiplies have no AVX2/NEON instruction: there, streams
-    from EXTERN_MIN_NUMEL_NARROW call the C kernel; AVX-512 keeps them fused. Same bits
+def test_without_avx512_short_streams_take_the_c_kernel(monkeypatch, isa, extern):
+    """The fused loop's 64-bit multiplies have no AVX2/NEON instruction: there, a stream
+    of any static length calls the C kernel; AVX-512 keeps short ones fused. Same bits
     either way."""
-    import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
-
-    from compile_rng.ops import lowering
+    from compile_rng._torch.inductor_internals import inductor_caches_off
     from compile_rng.stream.cpu_kernel import fast_f32
 
     calls = []
     monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)
     monkeypatch.setattr(ops, "fast_f32", lambda *a, **k: calls.append(1) or fast_f32(*a, **k))
-    n = lowering.EXTERN_MIN_NUMEL_NARROW + 13
+    n = 45
     key = ops.make_key(7, 2**32 - 3)
     fn = lambda key: ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)  # noqa: E731
     torch._dynamo.reset()
-    with inductor_config.patch(force_disable_caches=True):
+    with inductor_caches_off():  # their keys do not hold the choice
         got = torch.compile(fn, backend="inductor", fullgraph=True)(key)
     assert bool(calls) == extern
     calls.clear()
     assert torch.equal(got, fn(key)) and calls  # the eager op: the C kernel
 
 
-@pytest.mark.parametrize("isa, extern", [("avx512", False), ("avx2", True)])
-def test_without_avx512_every_exact_op_takes_the_eager_op(monkeypatch, isa, extern):
-    """Without AVX-512 every dtype and layout from EXTERN_MIN_NUMEL_NARROW calls the eager
-    op (no fused loop for gcc to build); with AVX-512 these stay fused (not float32, or
-    strided). The same bits either way: both equal the eager op."""
-    import torch._inductor.config as inductor_config  # private: its caches do not key on the choice
+def _exact_ops(key, x, p, size, strides):
+    return (*ops.dropout(key, 0, x, strides, 0.3),
+            ops.uniform(key, 1, size, strides, -2.0, 3.0, torch.bfloat16),
+            ops.randint(key, 2, size, strides, -(2**40), 2**41, torch.int64),
+            ops.bernoulli_tensor(key, 3, p, strides, torch.float64),
+            ops.random_bits(key, 4, size, strides))
 
-    from compile_rng.ops import lowering
+
+@pytest.mark.parametrize("isa, extern", [("avx512", False), ("avx2", True)])
+def test_without_avx512_every_static_stream_takes_the_eager_op(monkeypatch, isa, extern):
+    """Without AVX-512 every dtype, layout and size calls the eager op (no fused loop for
+    gcc to build); with AVX-512 these stay fused (short, not float32, or strided). The
+    same bits either way: both equal the eager op."""
+    from compile_rng._torch.inductor_internals import inductor_caches_off
 
     externs, extern_call = [], lowering._extern
     monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)
     monkeypatch.setattr(lowering, "_extern", lambda op, *a: externs.append(op) or extern_call(op, *a))
-    rows = lowering.EXTERN_MIN_NUMEL_NARROW // 32 + 1
-    size, strides = [rows, 32], [40, 1]  # rows of a 40-wide tensor: a strided stream
+    size, strides = [3, 32], [40, 1]  # rows of a 40-wide tensor: a strided stream
     key = ops.make_key(11, 2**32 - 5)
-    x = torch.randn(rows, 32, dtype=torch.float64)
-    p = torch.rand(rows, 32, dtype=torch.float64)
-
-    def exact(key, x, p):
-        return (*ops.dropout(key, 0, x, strides, 0.3),
-                ops.uniform(key, 1, size, strides, -2.0, 3.0, torch.bfloat16),
-                ops.randint(key, 2, size, strides, -(2**40), 2**41, torch.int64),
-                ops.bernoulli_tensor(key, 3, p, strides, torch.float64),
-                ops.random_bits(key, 4, size, strides))
-
+    x = torch.randn(*size, dtype=torch.float64)
+    p = torch.rand(*size, dtype=torch.float64)
+    fn = functools.partial(_exact_ops, size=size, strides=strides)
     torch._dynamo.reset()
-    with inductor_config.patch(force_disable_caches=True):
-        got = torch.compile(exact, backend="inductor", fullgraph=True)(key, x, p)
+    with inductor_caches_off():
+        got = torch.compile(fn, backend="inductor", fullgraph=True)(key, x, p)
     assert len(externs) == (5 if extern else 0)
-    for a, b in zip(got, exact(key, x, p)):
+    for a, b in zip(got, fn(key, x, p)):
         assert torch.equal(a, b)
+
+
+def test_fused_loops_lower_every_stream_to_its_loop(monkeypatch):
+    """What the fixture above relies on: under ``fused_loops()`` no op is a call, whatever
+    the CPU (the compile it saves is the fixture's own)."""
+    monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: "avx2")
+    assert lowering._extern_worthy([3, 32], [40, 1], torch.float64)
+    with lowering.fused_loops():
+        assert not lowering._extern_worthy([3, 32], [40, 1], torch.float64)
+        assert not lowering._extern_worthy([1 << 20], [1], torch.float32)
+    assert lowering._extern_worthy([3, 32], [40, 1], torch.float64)

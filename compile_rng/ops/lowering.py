@@ -4,15 +4,16 @@ Fused vs. extern: a large float32 uniform/bernoulli/dropout over a contiguous st
 becomes a call to the eager C kernel instead (``cpu_kernel.fast_f32``), which uses all
 four words of each Philox block and vectorizes across blocks; measured here it is about
 2x faster than the fused loop, which recomputes the whole block for every element in
-emulated 64-bit arithmetic; without AVX-512 (Inductor at AVX2, NEON) the fused loop is
-25-40x slower than the kernel, so there every op on a stream of static size from 2K
-elements calls the eager op, whatever its dtype and layout (:func:`extern_min_numel`).
-Small, strided (with AVX-512) or dynamically sized ones stay fused with their neighbours,
-and so does ``exponential`` (its ``log`` is Inductor's: within 4 ulp of the eager op's).
-Both give the same bits (integer-derived values, same float ops), so the choice never
-changes a result. ``normal`` has no lowering: its transcendental functions must come
-from one implementation (the C kernel, or torch's ops for float64) whatever the size or
-layout, so Inductor always calls the eager op.
+emulated 64-bit arithmetic. Without AVX-512 (Inductor at AVX2, NEON) that arithmetic has
+no vector instruction: the fused loop runs 25-40x slower than the kernel and costs gcc
+5-20 s per op to build, so there every op of static size calls the eager op, whatever its
+size, dtype and layout (:func:`_extern_worthy`). Small, strided (with AVX-512) or
+dynamically sized ones stay fused with their neighbours, and so does ``exponential`` (its
+``log`` is Inductor's: within 4 ulp of the eager op's). Both give the same bits
+(integer-derived values, same float ops), so the choice never changes a result; the
+loop's own tests compile it under :func:`fused_loops`. ``normal`` has no lowering: its
+transcendental functions must come from one implementation (the C kernel, or torch's ops
+for float64) whatever the size or layout, so Inductor always calls the eager op.
 
 Each op becomes one fused ``Pointwise`` node whose ``inner_fn`` builds Philox4x32-10
 with ``ops.*`` once (building rounds from aten integer ops instead makes Inductor
@@ -40,8 +41,9 @@ Import this module to register the lowerings; the backend does.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -49,7 +51,12 @@ import torch
 
 from compile_rng import stream
 from compile_rng._torch.core_internals import OpOverload
-from compile_rng._torch.inductor_internals import fallback_handler, inductor_vector_isa, register_lowering
+from compile_rng._torch.inductor_internals import (
+    fallback_handler,
+    inductor_caches_off,
+    inductor_vector_isa,
+    register_lowering,
+)
 from compile_rng._torch.inductor_internals import inductor_ir as ir
 from compile_rng._torch.inductor_internals import inductor_ops as ops
 
@@ -144,32 +151,40 @@ def _register(op: OpOverload) -> Callable:
 #: Streams at least this long go to the C kernel when Inductor vectorizes for AVX-512
 #: (float32 and a contiguous stream: the kernel's fast path; see the module docstring).
 EXTERN_MIN_NUMEL = 1 << 18
-#: ... and elsewhere (AVX2, NEON, no vector ISA), where the fused loop's 64-bit multiplies
-#: have no vector instruction: with Inductor at AVX2 it ran 31-41 ns/element from 1K to
-#: 256K elements, against the kernel call's 30-40 us (the custom op's Python layers, on a
-#: 2-core EPYC) plus ~1 ns/element; the two cross near 1.3K elements
-#: (``benchmarks/bench_random.py --isa avx2 --baseline-isa avx2 --size N``). There every
-#: dtype and layout calls the eager op: its generic path (the C kernel's words for any
-#: strides, then torch's vectorized transforms) is still several times faster than the
-#: fused loop, and the fused loop costs gcc ~6 s per op to compile on such a CPU. (Not
-#: ``exponential``: see the module docstring.)
-EXTERN_MIN_NUMEL_NARROW = 1 << 11
+
+_fused_loops_forced = False
 
 
-def extern_min_numel() -> int:
-    """The stream length from which an op calls the eager kernel in CPU graphs."""
-    return EXTERN_MIN_NUMEL if inductor_vector_isa() == "avx512" else EXTERN_MIN_NUMEL_NARROW
+@contextlib.contextmanager
+def fused_loops() -> Iterator[None]:
+    """Compiles inside lower every op to its fused loop, whatever the CPU and the size:
+    how the loop itself is tested and benchmarked on any machine. Inductor's caches are
+    off inside, since their keys do not hold this choice."""
+    global _fused_loops_forced
+    forced, _fused_loops_forced = _fused_loops_forced, True
+    try:
+        with inductor_caches_off():
+            yield
+    finally:
+        _fused_loops_forced = forced
 
 
 def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype, fast_path: bool = True) -> bool:
     """Whether a CPU graph calls the eager op instead of a fused loop: with AVX-512, long
     float32 streams that take the C kernel's fast path (``fast_path``: the op's own
-    condition for it); without, every stream from :data:`EXTERN_MIN_NUMEL_NARROW`."""
-    if not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
+    condition for it); without, every stream of static size.
+
+    Without AVX-512 the fused loop's 64-bit multiplies are emulated: with Inductor at AVX2
+    it ran 31-41 ns/element from 1K to 256K elements, against the kernel call's 30-40 us
+    (the custom op's Python layers, on a 2-core EPYC) plus ~1 ns/element, and gcc took
+    5-20 s to build each op's loop there (a 4-rank job's cold compile was 1.6x stock
+    Inductor's, most of it gcc on loops of a few hundred elements). A call costs a tiny
+    op at most ~35 us per step; the loop costs every cold start seconds per op."""
+    if _fused_loops_forced or not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
         return False
-    numel = math.prod(int(s) for s in size)
     if inductor_vector_isa() != "avx512":
-        return numel >= EXTERN_MIN_NUMEL_NARROW
+        return True
+    numel = math.prod(int(s) for s in size)
     contiguous = stream.contiguous_stream([int(s) for s in size], [int(s) for s in strides])
     return fast_path and dtype == torch.float32 and contiguous and numel >= EXTERN_MIN_NUMEL
 
@@ -253,11 +268,17 @@ def _random_bits(key, offset, size, strides):
 
 
 def _compiled_by_inductor(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+
+    def run(*args: Any) -> Any:
+        with fused_loops():
+            return compiled(*args)
+
+    return run
 
 
 stream.register_implementation(
-    # Philox and the transforms in Inductor's generated kernel (float32 streams from
-    # extern_min_numel() elements call the C kernel instead).
+    # Philox and the transforms in Inductor's generated kernel: the fused loops whatever
+    # the CPU (the choice of a kernel call is the C kernel's implementation, checked apart).
     stream.Implementation("inductor-lowering", (((3, 5), (7, 1)), ((257,), (1,))), _compiled_by_inductor)
 )
