@@ -35,6 +35,15 @@ def _time(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_or_error(fn) -> float | str:
+    """:func:`_time`, or the error's first line: one case that cannot run (a torch
+    without what a compiled row needs) leaves the other rows measured."""
+    try:
+        return _time(fn)
+    except Exception as e:  # noqa: BLE001  (reported in the table, not hidden)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=64 << 20)
@@ -81,11 +90,14 @@ def main() -> None:
                 ("torch eager", eager),
                 ("stock Inductor", stock[name]),
             ]
-        rows += [(name, who, _time(fn)) for who, fn in cases]
+        rows += [(name, who, _time_or_error(fn)) for who, fn in cases]
     fill_bw = moved["fill_"] / rows[0][2]
     print(f"{torch.cuda.get_device_name()}  numel={n}  torch {torch.__version__}")
     print(f"{'op':<9}{'implementation':<20}{'ns/elem':>9}{'GB/s':>9}{'of fill':>9}")
     for name, who, t in rows:
+        if isinstance(t, str):
+            print(f"{name:<9}{who:<20} failed: {t}")
+            continue
         bw = moved[name] / t
         print(f"{name:<9}{who:<20}{t / n * 1e9:>9.4f}{bw / 1e9:>9.0f}{bw / fill_bw:>9.2f}")
 

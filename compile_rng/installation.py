@@ -43,6 +43,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -59,6 +60,26 @@ from compile_rng.stream import state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 
+#: The torch releases the changes below were checked on, as ``[first, past the last)``
+#: (pyproject's ``torch>=2.13,<2.16``).
+SUPPORTED_TORCH = ((2, 13), (2, 16))
+
+
+def check_torch_version(version: str) -> None:
+    """Raise ImportError unless ``version`` is in :data:`SUPPORTED_TORCH`. The changes
+    reach private torch code that other releases lay out differently: on torch 2.11
+    (a GPU image's) the DTensor hook failed inside torch's own
+    ``import torch.distributed.fsdp``, breaking code that never used compile_rng."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    first, past = SUPPORTED_TORCH
+    if not first <= release < past:
+        raise ImportError(
+            f"compile_rng supports torch {first[0]}.{first[1]} to {past[0]}.{past[1] - 1}, found torch {version}: "
+            f"install a supported torch (pip install 'torch>={first[0]}.{first[1]},<{past[0]}.{past[1]}') "
+            "or use stock torch without compile_rng; nothing in torch was changed"
+        )
+
 
 def manual_seed(seed: int) -> None:
     """Restart the stream at ``(seed, 0)`` and :func:`install` compile_rng (again, if it
@@ -70,7 +91,9 @@ def manual_seed(seed: int) -> None:
 
 def install() -> None:
     """Make compile_rng serve torch's seeding, ``trunc_normal_`` and DTensor's random ops
-    on CPU, CUDA and XPU meshes (idempotent; the module docstring lists each change and its reason)."""
+    on CPU, CUDA and XPU meshes (idempotent; the module docstring lists each change and its reason).
+    Raises ImportError, changing nothing, on a torch outside :data:`SUPPORTED_TORCH`."""
+    check_torch_version(torch.__version__)
     if "manual_seed" not in _stock:
         _stock.update(
             manual_seed=torch.random.manual_seed,

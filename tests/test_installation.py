@@ -103,3 +103,28 @@ def test_uninstall_gives_torch_back_and_install_restores():
     assert tracker.installed() and dtensor_random._rng_tracker is tracker.TRACKER
     torch.manual_seed(5)
     assert compile_rng.get_state() == (5, 0)
+
+
+def test_an_unsupported_torch_is_refused_before_anything_changes():
+    """On torch 2.11 (the image of the GPU machine lent once) installing broke torch's own
+    ``import torch.distributed.fsdp``; outside the checked releases importing compile_rng
+    raises ImportError naming the range, and torch stays stock."""
+    assert _fresh(
+        """
+        import torch
+        from torch.torch_version import TorchVersion
+        stock = torch.manual_seed
+        torch.__version__ = TorchVersion("2.11.0+cu130")
+        try:
+            import compile_rng
+        except ImportError as e:
+            print("refused:", "2.13 to 2.15" in str(e) and "2.11.0+cu130" in str(e))
+        import torch.distributed.fsdp, torch.distributed.tensor
+        print("stock:", torch.manual_seed is stock)
+        """
+    ).split() == ["refused:", "True", "stock:", "True"]
+    for version in ("2.13.0+cpu", "2.14.1", "2.15.0"):
+        installation.check_torch_version(version)
+    for version in ("2.12.1", "2.16.0", "3.0.0"):
+        with pytest.raises(ImportError, match="compile_rng supports torch 2.13 to 2.15"):
+            installation.check_torch_version(version)
