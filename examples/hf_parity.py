@@ -205,22 +205,34 @@ def train(family: str, parallelism: str, compile: str, steps: int) -> list[float
     return losses
 
 
-def _rank_body(rank: int, world: int, config: tuple, steps: int, out: str) -> None:
-    losses = train(*config, steps)
+def _rank_body(rank: int, world: int, configs: list, steps: int, out: str) -> None:
+    curves = {}
+    for config in configs:
+        progress(f"hf_parity: {'/'.join(config)}")
+        try:
+            curves[config] = train(*config, steps)
+        except Exception as e:  # name the configuration in spawn's report
+            raise RuntimeError(f"hf_parity {'/'.join(config)} failed on rank {rank}: {e}") from e
     if rank == 0:
-        torch.save(losses, out)
+        torch.save(curves, out)
 
 
-def run(config: tuple[str, str, str], steps: int) -> list[float] | None:
-    """Losses of one configuration on its own gloo ranks (None on torchrun's other ranks)."""
-    world = PARALLELISMS[config[1]].world
-    if world == 1:
-        return train(*config, steps)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "losses.pt")
-        if not spawn(_rank_body, world, config, steps, out):
-            return None
-        return torch.load(out)
+def run_many(configs: list[tuple[str, str, str]], steps: int) -> dict[tuple, list[float]]:
+    """Losses of each configuration: one process runs those of world 1, and one set of gloo
+    ranks per world size runs the others one after another (the ranks' imports and process
+    group serve them all; each configuration resets Dynamo and builds its own meshes).
+    Empty on torchrun's ranks other than 0."""
+    curves: dict[tuple, list[float]] = {}
+    for world in sorted({PARALLELISMS[c[1]].world for c in configs}):
+        group = [c for c in configs if PARALLELISMS[c[1]].world == world]
+        if world == 1:
+            curves.update((c, train(*c, steps)) for c in group)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "losses.pt")
+            if spawn(_rank_body, world, group, steps, out):
+                curves.update(torch.load(out))
+    return curves
 
 
 def max_relative_difference(curve: list[float], reference: list[float]) -> float:
@@ -239,14 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     print_ = print if reporting() else (lambda *a, **k: None)
     print_(f"max relative loss difference from one process compiled alike, {args.steps} steps, float64:")
     print_(f"  {'model':<6} {'parallelism':<12} {'compile':<7} {'difference':>10}")
-    references: dict[tuple[str, str], list[float]] = {}
+    references = {(f, c): train(f, "single", c, args.steps) for f, c in dict.fromkeys((f, c) for f, _, c in configs)}
+    curves = run_many(configs, args.steps)
     for family, parallelism, compile in configs:
-        if (family, compile) not in references:
-            references[family, compile] = train(family, "single", compile, args.steps)
-        progress(f"hf_parity: {family} {parallelism} {compile}")
-        losses = run((family, parallelism, compile), args.steps)
-        if losses is not None:
-            diff = max_relative_difference(losses, references[family, compile])
+        if (family, parallelism, compile) in curves:
+            diff = max_relative_difference(curves[family, parallelism, compile], references[family, compile])
             print_(f"  {family:<6} {parallelism:<12} {compile:<7} {diff:10.2e}", flush=True)
     for family, compile in references:
         if compile != "eager" and (family, "eager") in references:

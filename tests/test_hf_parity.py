@@ -38,10 +38,17 @@ def _reference(family: str, compile: str) -> list[float]:
     return _references[family, compile]
 
 
+@pytest.fixture(scope="module")
+def curves() -> dict:
+    """Every configuration's curve, one set of gloo ranks per world size (their imports
+    and process group serve all of its configurations, as in one job)."""
+    return hf_parity.run_many(hf_parity.CONFIGS, STEPS)
+
+
 @pytest.mark.parametrize("config", hf_parity.CONFIGS, ids="/".join)
-def test_loss_curve_matches_one_process(config):
+def test_loss_curve_matches_one_process(curves, config):
     family, _, compile = config
-    losses = hf_parity.run(config, STEPS)
+    losses = curves[config]
     assert len(losses) == STEPS
     difference = hf_parity.max_relative_difference(losses, _reference(family, compile))
     print(f"hf_parity {'/'.join(config)}: {difference:.2e}")  # shown by pytest -rP (the README's table)
