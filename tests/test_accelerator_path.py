@@ -159,8 +159,9 @@ def test_the_fused_lowerings_cuda_code_is_bitwise_and_compiles_for_sm90(monkeypa
     from compile_rng import ops
 
     monkeypatch.setattr(lowering, "FUSED_DEVICE_TYPES", ("cpu", "cuda"))
-    code = fake_cuda_inductor.generated_code(lambda key, x: torch.ops.compile_rng.dropout(key, 5, x, [1], 0.3),
-                                             _DROPOUT_INPUTS)
+    with lowering.fused_loops():  # whatever this CPU's rule for a kernel call
+        code = fake_cuda_inductor.generated_code(lambda key, x: torch.ops.compile_rng.dropout(key, 5, x, [1], 0.3),
+                                                 _DROPOUT_INPUTS)
     assert "torch.ops.compile_rng.dropout.default(" not in code  # fused: no call of the op
     ((name, source),) = fake_cuda_inductor.triton_kernels(code).items()
     assert all(m in source for m in PHILOX_MULTIPLIERS)
