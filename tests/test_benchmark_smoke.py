@@ -127,7 +127,9 @@ def test_bench_train_step_smoke(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert set(rows) == {"1/invariant", "1/tracker", "1/stock", "1/eager", "1/eager-step"}
-    assert result["aten_ops"] > 0 and "us per aten op" in run.stdout
+    # the step's eager overhead, as a cost or as within one repetition's noise (no speed asserted)
+    assert result["aten_ops"] > 0 and "eager code inside compile_rng.step, 1 thread(s): " in run.stdout
+    assert "us per aten op" in run.stdout or "within noise" in run.stdout
     # stock torch saves dropout masks for backward; compile_rng regenerates them
     assert rows["1/tracker"]["saved_for_backward_bytes"] < rows["1/stock"]["saved_for_backward_bytes"]
 
