@@ -235,3 +235,50 @@ def test_eager_in_place_fill_equals_the_functional_op(op):
                 else ops.normal(key, 0, size, strides, 0.0, 1.0, target.dtype))
         assert torch.equal(target, want) and target.data_ptr() == ptr, name
     assert torch.equal(base[3:, 1::2], torch.zeros(3, 20))  # the strided fill touched only its view
+
+
+def test_rows_of_contiguous_streams_take_the_vectorized_kernel(monkeypatch):
+    # A step's draw: each dim-0 row of the local batch is a contiguous stream at its row's
+    # counters of the global batch, rows ``strides[0]`` apart. float32 uniform, bernoulli
+    # and dropout run the vectorized kernel once per row, bitwise equal to the reference.
+    from compile_rng.stream.cpu_kernel import fast_f32
+
+    calls = []
+    monkeypatch.setattr(ops, "fast_f32", lambda *a, **k: calls.append(a[3] % 2**64) or fast_f32(*a, **k))
+    monkeypatch.setattr(ops, "FAST_ROW_MIN", 1)
+    seed, base, p = 5, 2**64 - 70, 0.3
+    size, strides = [3, 2, 17], [50, 17, 1]
+    counters = [(base + 50 * r + i) % 2**64 for r in range(3) for i in range(34)]
+    key = ops.make_key(seed, base)
+    x = torch.randn(size)
+    uniform = ops.uniform(key, 0, size, strides, 0.0, 1.0, torch.float32)
+    bern = ops.bernoulli(key, 0, size, strides, 0.25, torch.float32)
+    drop, mask = ops.dropout(key, 0, x, strides, p)
+    # other dtypes take the kernel's keep mask (float64: eager CPU dropout's bernoulli_)
+    bern64 = ops.bernoulli(key, 0, size, strides, 0.25, torch.float64)
+    drop64, mask64 = ops.dropout(key, 0, x.double(), strides, p)
+    assert calls == [(base + 50 * r) % 2**64 for r in range(3)] * 5  # one call per row and op
+    assert torch.equal(uniform.flatten(), ref_tensor([ref.uniform01(seed, c, "float32") for c in counters], torch.float32))
+    for b, dtype in ((bern, torch.float32), (bern64, torch.float64)):
+        assert b.dtype == dtype and b.flatten().tolist() == [float(ref.keep_bernoulli(seed, c, 0.25)) for c in counters]
+    keep = [ref.keep_bernoulli(seed, c, 1 - p) for c in counters]
+    for d, m, x_ in ((drop, mask, x), (drop64, mask64, x.double())):
+        assert m.flatten().tolist() == keep
+        # ATen's CPU dropout composite: noise = bernoulli(1 - p) in x's dtype, / (1 - p), x * noise
+        assert torch.equal(d, x_ * torch.tensor(keep, dtype=x_.dtype).view_as(x_).div_(1 - p))
+
+    # the default threshold: rows of 4096 elements take it, and equal the generic path
+    size, strides = [2, 4096], [5000, 1]
+    x = torch.randn(size)
+    programs = lambda: [ops.uniform(key, 3, size, strides, -1.0, 2.0, torch.float32),  # noqa: E731
+                        ops.bernoulli(key, 3, size, strides, 0.5, torch.bfloat16), *ops.dropout(key, 3, x, strides, p),
+                        *ops.dropout(key, 3, x.double(), strides, p)]
+    monkeypatch.setattr(ops, "FAST_ROW_MIN", 4096)
+    calls.clear()
+    fast = programs()
+    assert len(calls) == 8
+    monkeypatch.setattr(ops, "FAST_ROW_MIN", 2**62)
+    calls.clear()
+    for got, generic in zip(fast, programs()):
+        assert torch.equal(got, generic)
+    assert not calls

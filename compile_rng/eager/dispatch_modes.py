@@ -13,6 +13,7 @@ Nothing here needs DTensor: plain-tensor code pays no DTensor import.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
@@ -152,6 +153,34 @@ def recorded_counters() -> Iterator[list[Counters]]:
         _counter_log.reset(token)
 
 
+class _OpKind(enum.Enum):
+    HIGHER_ORDER = enum.auto()
+    RULE = enum.auto()  # a random op drawn by its counter-based rule
+    RANDOM_WITHOUT_RULE = enum.auto()  # refused where it draws
+    PLAIN = enum.auto()
+
+
+# Every aten op a step runs passes through the mode (forward and backward), so the kind,
+# which depends on the op alone, is looked up once per op: it is most of the mode's own
+# cost per call.
+_op_kinds: dict[Any, _OpKind] = {}
+
+
+def _op_kind(func: Any) -> _OpKind:
+    kind = _op_kinds.get(func)
+    if kind is None:
+        if higher_order_op_name(func) is not None:
+            kind = _OpKind.HIGHER_ORDER
+        elif INPLACE.get(func, func) in RULES:
+            kind = _OpKind.RULE
+        elif is_random(func):
+            kind = _OpKind.RANDOM_WITHOUT_RULE
+        else:
+            kind = _OpKind.PLAIN
+        _op_kinds[func] = kind
+    return kind
+
+
 class RandomOpMode(TorchDispatchMode):
     """Replaces random ops with the functional ops at the counters ``counters`` assigns.
 
@@ -172,22 +201,23 @@ class RandomOpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if higher_order_op_name(func) is not None:
+        kind = _op_kind(func)
+        if kind is _OpKind.HIGHER_ORDER:
             return _higher_order_op(self, func, args, kwargs)
-        functional = INPLACE.get(func, func)
         if self.plain_only and any(t is not torch.Tensor for t in types):
             return func(*args, **kwargs)
         if self.plain_only and local_values.touches((args, kwargs)):
             # a tensor-parallel rank's local piece of a DTensor: recorded only once DTensor
             # exists, so its dispatch (which imports DTensor) has registered by then
             return _local_piece_dispatch[0](func, args, kwargs)
-        if functional not in RULES:
-            if is_random(func):
-                kw = normalized_arguments(func, args, kwargs)
-                if kw.get("generator") is not None:
-                    raise _generator_error(func)
-                if draws(func, kw):
-                    raise unsupported(func, kw)
+        if kind is _OpKind.PLAIN:
+            return func(*args, **kwargs)
+        if kind is _OpKind.RANDOM_WITHOUT_RULE:
+            kw = normalized_arguments(func, args, kwargs)
+            if kw.get("generator") is not None:
+                raise _generator_error(func)
+            if draws(func, kw):
+                raise unsupported(func, kw)
             return func(*args, **kwargs)
         kw = normalized_arguments(func, args, kwargs)
         if kw.get("generator") is not None:

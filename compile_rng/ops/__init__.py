@@ -85,11 +85,35 @@ def _by_rows(offset: int, size: Sequence[int], strides: Sequence[int], compute, 
     return out if isinstance(part, tuple) else out[0]
 
 
-def _fast(op: int, key: torch.Tensor, offset: int, size: Sequence[int], **kw) -> tuple[torch.Tensor, Any]:
+# Rows shorter than this take the generic path: the vectorized kernel is one call per row
+# (a few microseconds each), the generic path one call for all rows.
+FAST_ROW_MIN = 4096
+
+
+def _fast_layout(size: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the vectorized float32 kernel serves these counters: one contiguous stream,
+    or dim-0 rows that are each a contiguous stream, ``strides[0]`` apart (a step's rows
+    of the global batch), long enough to be worth a call each."""
+    if stream.contiguous_stream(size, strides):
+        return True
+    return len(size) > 1 and stream.contiguous_stream(size[1:], strides[1:]) and math.prod(size[1:]) >= FAST_ROW_MIN
+
+
+def _fast(op: int, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+          x: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, Any]:
+    """The vectorized kernel over a layout :func:`_fast_layout` accepts; dropout's ``x`` is
+    contiguous."""
     seed, base = _key_values(key, offset)
-    numel = math.prod(size)
-    out, mask = fast_f32(op, numel, seed, base, **kw)
-    return out.view(list(size)), (mask.view(list(size)) if mask is not None else None)
+    size = list(size)
+    out = torch.empty(size, dtype=torch.float32)
+    mask = torch.empty(size, dtype=torch.bool) if op == FAST_DROPOUT else None
+    if stream.contiguous_stream(size, strides):
+        fast_f32(op, out.numel(), seed, base, x=x, out=out, mask=mask, **kw)
+        return out, mask
+    for r in range(size[0]):  # the rows of a contiguous tensor are contiguous
+        fast_f32(op, out[r].numel(), seed, base + r * strides[0], x=None if x is None else x[r], out=out[r],
+                 mask=None if mask is None else mask[r], **kw)
+    return out, mask
 
 
 def _empty(key: torch.Tensor, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +130,8 @@ def uniform(
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
     checks.check_float("uniform", dtype)
-    if dtype == torch.float32 and stream.contiguous_stream(size, strides) and fast_uniform_ok(high):
-        return _fast(FAST_UNIFORM, key, offset, size, low=low, high=high)[0]
+    if dtype == torch.float32 and _fast_layout(size, strides) and fast_uniform_ok(high):
+        return _fast(FAST_UNIFORM, key, offset, size, strides, low=low, high=high)[0]
 
     def compute(off, sz):
         return stream.uniform(_M, _words(key, off, sz, strides, "uniform")[0], dtype, low, high)
@@ -208,8 +232,9 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
-    if dtype == torch.float32 and stream.contiguous_stream(size, strides):
-        return _fast(FAST_BERNOULLI, key, offset, size, threshold=stream.threshold32(p))[0]
+    if _fast_layout(size, strides):  # 0 and 1 convert exactly to every dtype
+        values = _fast(FAST_BERNOULLI, key, offset, size, strides, threshold=stream.threshold32(p))[0]
+        return values if dtype == torch.float32 else values.to(dtype)
 
     def compute(off, sz):
         return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)
@@ -247,11 +272,14 @@ def dropout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x * keep / (1 - p), keep)`` like ``aten.native_dropout`` in training mode."""
     checks.check_float("dropout", x.dtype)
-    if x.dtype == torch.float32 and x.is_contiguous() and stream.contiguous_stream(x.shape, strides):
-        return _fast(
-            FAST_DROPOUT, key, offset, x.shape, threshold=stream.threshold32(1.0 - p),
-            scale=stream.dropout_scale(p, torch.float32), x=x,
-        )
+    if _fast_layout(x.shape, strides):
+        threshold = stream.threshold32(1.0 - p)
+        if x.dtype == torch.float32 and x.is_contiguous():
+            return _fast(FAST_DROPOUT, key, offset, x.shape, strides, threshold=threshold,
+                         scale=stream.dropout_scale(p, torch.float32), x=x)
+        # other dtypes: the kernel's keep mask (0.0 or 1.0), applied as the generic path does
+        keep = _fast(FAST_BERNOULLI, key, offset, x.shape, strides, threshold=threshold)[0]
+        return stream.dropout_apply(_M, x, keep, x.dtype, p), keep.bool()
 
     def compute(off, sz, x_rows):
         keep = stream.dropout_keep(_M, _words(key, off, sz, strides, "dropout")[0], p)

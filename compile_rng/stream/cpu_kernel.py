@@ -255,17 +255,20 @@ def fast_f32(
     scale: float = 0.0,
     x: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 values of a contiguous stream (counter ``base + i``), computed directly.
 
     ``op``: :data:`FAST_UNIFORM` (``[low, high)``), :data:`FAST_BERNOULLI` (``W <
     threshold``), :data:`FAST_DROPOUT` (of the contiguous float32 ``x``; also returns the
     keep mask). Bitwise equal to the generic path; returns a flat tensor, or ``out`` (a
-    contiguous float32 tensor of ``numel`` elements) filled. Uniform needs ``high``
+    contiguous float32 tensor of ``numel`` elements) filled, and dropout's mask likewise
+    (``mask``: a contiguous bool tensor of ``numel`` elements). Uniform needs ``high``
     exactly representable in float32 (see :func:`fast_uniform_ok`).
     """
     out = torch.empty(numel, dtype=torch.float32) if out is None else out
-    mask = torch.empty(numel, dtype=torch.bool) if op == FAST_DROPOUT else None
+    if op == FAST_DROPOUT and mask is None:
+        mask = torch.empty(numel, dtype=torch.bool)
     if numel:
         rc = _library().cr_fast_f32(
             op, out.data_ptr(), mask.data_ptr() if mask is not None else None,
