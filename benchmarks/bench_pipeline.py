@@ -14,7 +14,8 @@ Modes, measured in one run on the same ranks:
 * ``stock+compile`` - compile_rng uninstalled, the same blocks compiled by stock Inductor.
 
 Prints the median step time of each and its ratio to the stock run of its kind (eager or
-compiled); the compiled modes' first steps (the compiles) are not timed. Then, in this process,
+compiled); the modes take turns step by step, and the compiled modes' first steps (the
+compiles) are not timed. Then, in this process,
 the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
 seed from its cache) against ``state.advance`` (the step's sequence), and the uncached
 SHA-256 of a name (paid once per name and run seed), next to the time one dropout of
@@ -52,39 +53,49 @@ def _baseline(mode: str) -> str:
     return "stock+compile" if mode.endswith("+compile") else "stock"
 
 
-def _time_steps(mode: str, steps: int, dim: int, microbatches: int) -> list[float]:
+def _installed_for(mode: str) -> None:
+    if mode.startswith("stock"):
+        compile_rng.uninstall()
+    else:
+        compile_rng.install()
+
+
+def _time_steps(modes: list[str], steps: int, dim: int, microbatches: int) -> dict[str, list[float]]:
+    """Seconds per step of each mode, the modes taking turns step by step: the drift of a
+    shared machine's speed (several percent within a minute here) hits every mode alike."""
     import dataclasses
 
     import pipeline_parity as pp
 
     pp.CONFIG = dataclasses.replace(pp.CONFIG, dim=dim, seq=64, batch=16)
-    stock, compiled = mode.startswith("stock"), mode.endswith("+compile")
-    if stock:
-        compile_rng.uninstall()
-    else:
-        compile_rng.install()
-    try:
+    runs = {}
+    for mode in modes:
+        _installed_for(mode)
+        compiled = mode.endswith("+compile")
         pipe = pp.Pipeline("gpt", "1F1B", "PP=2+AC+compile" if compiled else "PP=2", microbatches,
-                           backend="inductor" if stock and compiled else None)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=pp.CONFIG.lr)
-        torch.manual_seed(pp.SEED)
-        times = []
+                           backend="inductor" if mode == "stock+compile" else None)
+        runs[mode] = (pipe, torch.optim.AdamW(pipe.parameters(), lr=pp.CONFIG.lr))
+    times = {mode: [] for mode in modes}
+    torch.manual_seed(pp.SEED)
+    try:
         for tokens, targets in pp.global_batches(pp.CONFIG, steps + 2):
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            pipe.step(tokens, targets, named=mode.startswith("names"))
-            opt.step()
-            opt.zero_grad()
-            torch.distributed.barrier()
-            times.append(time.perf_counter() - start)
-        return times[2:]  # the first steps infer the stages' shapes (and compile)
+            for mode, (pipe, opt) in runs.items():
+                _installed_for(mode)
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                pipe.step(tokens, targets, named=mode.startswith("names"))
+                opt.step()
+                opt.zero_grad()
+                torch.distributed.barrier()
+                times[mode].append(time.perf_counter() - start)
     finally:
         compile_rng.install()
+    return {mode: t[2:] for mode, t in times.items()}  # the first steps infer the stages' shapes (and compile)
 
 
 def _body(rank: int, world: int, modes: list, steps: int, dim: int, microbatches: int, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on a two-core machine
-    results = {mode: _time_steps(mode, steps, dim, microbatches) for mode in modes}
+    results = _time_steps(modes, steps, dim, microbatches)
     if rank == 0:
         torch.save(results, out)
 

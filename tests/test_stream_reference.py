@@ -215,7 +215,7 @@ def test_normal_batches_and_tails_match_reference(base):
     assert (strided.double().flatten() - expected).abs().max() < 2e-4
 
 
-@pytest.mark.parametrize("op", ["uniform_", "normal_"])
+@pytest.mark.parametrize("op", ["uniform_", "normal_", "bernoulli_"])
 def test_eager_in_place_fill_equals_the_functional_op(op):
     # contiguous float32 targets are filled in place by the C kernel; others take the
     # functional op and a copy: both must give the functional op's values
@@ -231,8 +231,9 @@ def test_eager_in_place_fill_equals_the_functional_op(op):
         size = list(target.shape)
         strides = [size[1], 1]
         key = ops.make_key(31, 0)
-        want = (ops.uniform(key, 0, size, strides, 0.0, 1.0, target.dtype) if op == "uniform_"
-                else ops.normal(key, 0, size, strides, 0.0, 1.0, target.dtype))
+        want = {"uniform_": lambda: ops.uniform(key, 0, size, strides, 0.0, 1.0, target.dtype),
+                "normal_": lambda: ops.normal(key, 0, size, strides, 0.0, 1.0, target.dtype),
+                "bernoulli_": lambda: ops.bernoulli(key, 0, size, strides, 0.5, target.dtype)}[op]()
         assert torch.equal(target, want) and target.data_ptr() == ptr, name
     assert torch.equal(base[3:, 1::2], torch.zeros(3, 20))  # the strided fill touched only its view
 

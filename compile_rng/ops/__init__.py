@@ -100,12 +100,12 @@ def _fast_layout(size: Sequence[int], strides: Sequence[int]) -> bool:
 
 
 def _fast(op: int, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
-          x: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, Any]:
-    """The vectorized kernel over a layout :func:`_fast_layout` accepts; dropout's ``x`` is
-    contiguous."""
+          x: torch.Tensor | None = None, out: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, Any]:
+    """The vectorized kernel over a layout :func:`_fast_layout` accepts, into ``out`` (a
+    contiguous float32 tensor of ``size``) or a new tensor; dropout's ``x`` is contiguous."""
     seed, base = _key_values(key, offset)
     size = list(size)
-    out = torch.empty(size, dtype=torch.float32)
+    out = torch.empty(size, dtype=torch.float32) if out is None else out
     mask = torch.empty(size, dtype=torch.bool) if op == FAST_DROPOUT else None
     if stream.contiguous_stream(size, strides):
         fast_f32(op, out.numel(), seed, base, x=x, out=out, mask=mask, **kw)
@@ -144,21 +144,20 @@ def _(key, offset, size, strides, low, high, dtype):
     return _empty(key, size, dtype)
 
 
-def _writable(out: torch.Tensor, size: Sequence[int]) -> bool:
+def _writable(out: torch.Tensor, size: Sequence[int], dtype: torch.dtype = torch.float32) -> bool:
     # Only real storage: a tensor subclass (LocalTensor, fake, functional) has no data
     # pointer of its own and takes the functional op plus copy_.
-    return type(out) in (torch.Tensor, torch.nn.Parameter) and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous() and list(out.shape) == list(size)
+    return type(out) in (torch.Tensor, torch.nn.Parameter) and out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous() and list(out.shape) == list(size)
 
 
 def uniform_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
                  low: float, high: float, dtype: torch.dtype) -> bool:
     """Eager ``uniform`` written straight into ``out`` when the C kernel can (float32,
-    contiguous, counters ``base + i``); returns whether it did. Same values as
-    :func:`uniform`."""
-    if not (dtype == torch.float32 and _writable(out, size) and stream.contiguous_stream(size, strides) and fast_uniform_ok(high)):
+    contiguous, a layout :func:`_fast_layout` accepts); returns whether it did. Same
+    values as :func:`uniform`."""
+    if not (dtype == torch.float32 and _writable(out, size) and _fast_layout(size, strides) and fast_uniform_ok(high)):
         return False
-    seed, base = _key_values(key, offset)
-    fast_f32(FAST_UNIFORM, out.numel(), seed, base, low=low, high=high, out=out)
+    _fast(FAST_UNIFORM, key, offset, size, strides, out=out, low=low, high=high)
     return True
 
 
@@ -240,6 +239,22 @@ def bernoulli(
         return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)
 
     return _by_rows(offset, size, strides, compute)
+
+
+def bernoulli_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int],
+                   p: float, dtype: torch.dtype) -> bool:
+    """Eager ``bernoulli`` written into ``out`` (a contiguous CPU tensor of ``size`` and
+    ``dtype``) when the C kernel serves the layout: straight for float32, else one
+    converting copy (eager CPU dropout's ``bernoulli_`` on a float64 or bfloat16 tensor);
+    returns whether it did. Same values as :func:`bernoulli`."""
+    if not (_writable(out, size, dtype) and _fast_layout(size, strides)):
+        return False
+    threshold = stream.threshold32(p)
+    if dtype == torch.float32:
+        _fast(FAST_BERNOULLI, key, offset, size, strides, out=out, threshold=threshold)
+    else:  # 0 and 1 convert exactly to every dtype
+        out.copy_(_fast(FAST_BERNOULLI, key, offset, size, strides, threshold=threshold)[0])
+    return True
 
 
 @bernoulli.register_fake
@@ -342,9 +357,10 @@ def make_key(
     return torch.tensor([stream.as_int64(seed), stream.as_int64(base), *(rows or ())], dtype=torch.int64, device=device)
 
 
-#: Eager in-place ``uniform_`` / ``normal_``: functional op -> writer that fills the
-#: target itself (a parameter init then needs no temporary and no copy).
-INTO = {torch.ops.compile_rng.uniform.default: uniform_into, torch.ops.compile_rng.normal.default: normal_into}
+#: Eager in-place ``uniform_`` / ``normal_`` / ``bernoulli_``: functional op -> writer that
+#: fills the target itself (a parameter init then needs no temporary and no copy).
+INTO = {torch.ops.compile_rng.uniform.default: uniform_into, torch.ops.compile_rng.normal.default: normal_into,
+        torch.ops.compile_rng.bernoulli.default: bernoulli_into}
 
 
 # Here, where the ops are defined: they must have their CUDA/XPU kernels whoever imports
