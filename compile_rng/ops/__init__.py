@@ -292,7 +292,8 @@ def dropout(
         if x.dtype == torch.float32 and x.is_contiguous():
             return _fast(FAST_DROPOUT, key, offset, x.shape, strides, threshold=threshold,
                          scale=stream.dropout_scale(p, torch.float32), x=x)
-        # other dtypes: the kernel's keep mask (0.0 or 1.0), applied as the generic path does
+        # other dtypes, or a strided x: the kernel's keep mask (0.0 or 1.0), applied as the
+        # generic path applies its own
         keep = _fast(FAST_BERNOULLI, key, offset, x.shape, strides, threshold=threshold)[0]
         return stream.dropout_apply(_M, x, keep, x.dtype, p), keep.bool()
 
