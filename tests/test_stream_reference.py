@@ -231,9 +231,9 @@ def test_eager_in_place_fill_equals_the_functional_op(op):
         size = list(target.shape)
         strides = [size[1], 1]
         key = ops.make_key(31, 0)
-        want = {"uniform_": lambda: ops.uniform(key, 0, size, strides, 0.0, 1.0, target.dtype),
-                "normal_": lambda: ops.normal(key, 0, size, strides, 0.0, 1.0, target.dtype),
-                "bernoulli_": lambda: ops.bernoulli(key, 0, size, strides, 0.5, target.dtype)}[op]()
+        functional, args = {"uniform_": (ops.uniform, (0.0, 1.0)), "normal_": (ops.normal, (0.0, 1.0)),
+                            "bernoulli_": (ops.bernoulli, (0.5,))}[op]
+        want = functional(key, 0, size, strides, *args, target.dtype)
         assert torch.equal(target, want) and target.data_ptr() == ptr, name
     assert torch.equal(base[3:, 1::2], torch.zeros(3, 20))  # the strided fill touched only its view
 
@@ -258,12 +258,14 @@ def test_rows_of_contiguous_streams_take_the_vectorized_kernel(monkeypatch):
     # other dtypes take the kernel's keep mask (float64: eager CPU dropout's bernoulli_)
     bern64 = ops.bernoulli(key, 0, size, strides, 0.25, torch.float64)
     drop64, mask64 = ops.dropout(key, 0, x.double(), strides, p)
-    assert calls == [(base + 50 * r) % 2**64 for r in range(3)] * 5  # one call per row and op
+    x_strided = torch.randn(3, 17, 2).transpose(1, 2)  # float32, not contiguous: the keep-mask path too
+    drop_s, mask_s = ops.dropout(key, 0, x_strided, strides, p)
+    assert calls == [(base + 50 * r) % 2**64 for r in range(3)] * 6  # one call per row and op
     assert torch.equal(uniform.flatten(), ref_tensor([ref.uniform01(seed, c, "float32") for c in counters], torch.float32))
     for b, dtype in ((bern, torch.float32), (bern64, torch.float64)):
         assert b.dtype == dtype and b.flatten().tolist() == [float(ref.keep_bernoulli(seed, c, 0.25)) for c in counters]
     keep = [ref.keep_bernoulli(seed, c, 1 - p) for c in counters]
-    for d, m, x_ in ((drop, mask, x), (drop64, mask64, x.double())):
+    for d, m, x_ in ((drop, mask, x), (drop64, mask64, x.double()), (drop_s, mask_s, x_strided)):
         assert m.flatten().tolist() == keep
         # ATen's CPU dropout composite: noise = bernoulli(1 - p) in x's dtype, / (1 - p), x * noise
         assert torch.equal(d, x_ * torch.tensor(keep, dtype=x_.dtype).view_as(x_).div_(1 - p))
