@@ -130,8 +130,9 @@ def uniform(
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
     checks.check_float("uniform", dtype)
-    if dtype == torch.float32 and _fast_layout(size, strides) and fast_uniform_ok(high):
-        return _fast(FAST_UNIFORM, key, offset, size, strides, low=low, high=high)[0]
+    out = _empty(key, size, dtype)  # a fresh tensor is filled in place where the C kernel can
+    if uniform_into(out, key, offset, size, strides, low, high, dtype):
+        return out
 
     def compute(off, sz):
         return stream.uniform(_M, _words(key, off, sz, strides, "uniform")[0], dtype, low, high)
@@ -231,9 +232,9 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
-    if _fast_layout(size, strides):  # 0 and 1 convert exactly to every dtype
-        values = _fast(FAST_BERNOULLI, key, offset, size, strides, threshold=stream.threshold32(p))[0]
-        return values if dtype == torch.float32 else values.to(dtype)
+    out = _empty(key, size, dtype)  # a fresh tensor is filled in place where the C kernel can
+    if bernoulli_into(out, key, offset, size, strides, p, dtype):
+        return out
 
     def compute(off, sz):
         return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)
