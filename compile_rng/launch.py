@@ -2,7 +2,8 @@
 benchmarks and the tests share.
 
 * :func:`spawn` runs ``body(rank, world, *args)`` on ``world`` gloo ranks of this
-  machine (a fresh process group on a free port) and raises if any rank fails; under
+  machine (a fresh process group on a free port, each rank with its share of the
+  cores, as torchrun gives them) and raises if any rank fails; under
   ``torchrun`` (one or several nodes) it runs this process's rank instead, in the
   process group torchrun's environment describes;
 * :func:`progress` prints a timestamped line on stderr, on rank 0 only, so that a
@@ -11,11 +12,12 @@ benchmarks and the tests share.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 _START = time.perf_counter()
 
@@ -25,6 +27,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _cores_shared(world: int) -> Iterator[None]:
+    """The environment ``world`` local ranks start in: each gets its share of this
+    machine's cores (``OMP_NUM_THREADS=cores // world``) and, when that share is one core,
+    Inductor compiles in the rank's own process (``TORCHINDUCTOR_COMPILE_THREADS=1``: no
+    pool of workers that each import torch). torchrun does the same (``OMP_NUM_THREADS=1``
+    for several ranks per node): ranks whose threads outnumber the cores spin in OpenMP's
+    barriers on cores the other ranks need - measured 30% of a 2-rank test's CPU time on
+    a 2-core machine. A user who set ``OMP_NUM_THREADS`` shares the cores themselves;
+    this process's environment is restored."""
+    if "OMP_NUM_THREADS" in os.environ:  # the user shares the cores
+        yield
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // world)
+    wanted = {"OMP_NUM_THREADS": str(share)}
+    if share == 1:
+        wanted["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            del os.environ[k]
 
 
 def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> None:
@@ -76,7 +104,8 @@ def spawn(body: Callable, world: int, *args) -> bool:
     if launched is None:
         import torch.multiprocessing as mp
 
-        mp.spawn(_entry, args=(world, free_port(), body, args), nprocs=world, join=True)
+        with _cores_shared(world):
+            mp.spawn(_entry, args=(world, free_port(), body, args), nprocs=world, join=True)
         return True
     if launched != world:
         raise SystemExit(
