@@ -12,7 +12,10 @@ torchtitan splits a model - each stage a module that keeps the unsplit model's n
   ``+SAC`` (torchtitan's selective AC: the same wrapper with torch's op-level policy),
   ``+compile`` (every block compiled with ``fullgraph=True`` by
   ``compile_rng.backend(layout="invariant", batched=True)``, after AC as torchtitan does),
-  ``+compile(stage)`` (the stage's whole module compiled, graph breaks allowed) on 2 ranks; ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
+  ``+compile(modules)`` (every block replaced by ``torch.compile(block)``, graph breaks
+  allowed: ``_orig_mod`` in every name below it), ``+compile(stage)`` (the stage's whole
+  module compiled, graph breaks allowed), each with full or selective AC too, on 2 ranks;
+  ``PP=2xDP=2`` (FSDP2 inside each stage) and ``PP=2xTP=2`` (the plain
   ``ColwiseParallel()`` / ``RowwiseParallel()`` plan, local outputs), also with AC and
   compile (torchtitan's whole recipe: TP, AC, compile, then FSDP2), on 4 ranks;
 * any number of microbatches.
@@ -214,12 +217,24 @@ def block_backend():
     return compile_rng.backend(layout="invariant", batched=True)
 
 
-def compile_blocks(module: nn.Module, backend: Any = None) -> None:
-    """torchtitan's per-block compile: ``block.compile(fullgraph=True)`` on every
-    TransformerBlock, in place (the name keeps no ``_orig_mod``); ``backend``: another
-    than compile_rng's (``"inductor"``: stock torch, for benchmarks)."""
-    for block in transformer_blocks(module):
-        block.compile(backend=backend or block_backend(), fullgraph=True)
+def compile_parts(module: nn.Module, compiled: str, backend: Any = None, dynamic: bool | None = None) -> None:
+    """Compile a stage as ``compiled`` says: ``"blocks"``, torchtitan's per-block compile
+    (``block.compile(fullgraph=True)`` in place: no ``_orig_mod`` in a name); ``"modules"``,
+    each block replaced by ``torch.compile(block)``, graph breaks allowed (``_orig_mod`` in
+    every name below it); ``"stage"``, the whole stage module, graph breaks allowed.
+    ``backend``: another than compile_rng's (``"inductor"``: stock torch, for benchmarks);
+    ``dynamic``: ``torch.compile``'s (the plain TP plan's local pieces need ``False`` once
+    shapes change: compile_rng refuses a draw on a local piece in a graph of symbolic sizes)."""
+    options = {"backend": backend or block_backend(), "dynamic": dynamic}
+    if compiled == "stage":
+        module.compile(**options)
+        return
+    blocks = _block_dict(module)
+    for key, block in list(blocks.named_children()):
+        if compiled == "blocks":
+            block.compile(fullgraph=True, **options)
+        else:
+            setattr(blocks, key, torch.compile(block, **options))
 
 
 # --- parallelisms ----------------------------------------------------------------------
@@ -231,7 +246,9 @@ class Composition:
     dp: int = 1
     tp: int = 1
     ac: str = ""  # "full": every block in checkpoint_wrapper (torchtitan's full AC); "selective": op-level
-    compiled: str = ""  # "blocks": each block compiled (torchtitan: after AC, before FSDP2); "stage": the stage
+    # "blocks": each block compiled in place, fullgraph (torchtitan: after AC, before FSDP2);
+    # "modules": each block replaced by torch.compile(block); "stage": the whole stage
+    compiled: str = ""
 
     @property
     def world(self) -> int:
@@ -242,7 +259,11 @@ COMPOSITIONS = {
     "PP=2": Composition(), "PP=2+AC": Composition(ac="full"), "PP=2+SAC": Composition(ac="selective"),
     "PP=2+compile": Composition(compiled="blocks"), "PP=2+AC+compile": Composition(ac="full", compiled="blocks"),
     "PP=2+SAC+compile": Composition(ac="selective", compiled="blocks"),
+    "PP=2+compile(modules)": Composition(compiled="modules"),
+    "PP=2+AC+compile(modules)": Composition(ac="full", compiled="modules"),
+    "PP=2+SAC+compile(modules)": Composition(ac="selective", compiled="modules"),
     "PP=2+compile(stage)": Composition(compiled="stage"), "PP=2+AC+compile(stage)": Composition(ac="full", compiled="stage"),
+    "PP=2+SAC+compile(stage)": Composition(ac="selective", compiled="stage"),
     "PP=2xDP=2": Composition(dp=2), "PP=2xTP=2": Composition(tp=2),
     # torchtitan's whole recipe: TP, AC, per-block compile, then FSDP2 - on pipeline stages
     "PP=2xDP=2+AC+compile": Composition(dp=2, ac="full", compiled="blocks"),
@@ -314,10 +335,8 @@ class Pipeline:
                 _tensor_parallel(module, mesh["tp"])
             if how.ac:
                 AC[how.ac](module)
-            if how.compiled == "blocks":
-                compile_blocks(module, backend)
-            elif how.compiled == "stage":  # the whole stage in one compile (graph breaks allowed)
-                module.compile(backend=backend or block_backend())
+            if how.compiled:
+                compile_parts(module, how.compiled, backend, dynamic=False if how.tp > 1 else None)
             if how.dp > 1:
                 from torch.distributed.fsdp import fully_shard
 

@@ -9,12 +9,13 @@ values are real); every case runs compiled and eagerly (inside ``eager_stream`` 
 * tracker layout: the ranks' attention-dropout masks differ, and each is the scalar
   reference's stream at the tracker's counters of the attention matrix's ``Shard(1)``;
 * invariant layout: the ranks' heads assemble to the single device's masks bitwise, also
-  when the program reshapes with sizes read off the local shape (``flat``), and when the
+  when the program reshapes with sizes read off the local shape (``flat``), when the
   module is checkpointed inside the compiled code (the region is a subgraph);
 * transformers' Llama attention under its plain plan: the attention dropout is drawn as
   a DTensor op on the head-sharded attention matrix;
 * a shard whose layout DTensor's rules cannot describe: the random op is refused, with
-  its line and the fix;
+  its line and the fix; so is one in a graph with symbolic sizes (what Dynamo compiles
+  once a shape changed), while ``dynamic=False`` and a graph without dropout run;
 * a piece that crosses a graph break: eager code after the graph draws its layout; a
   graph that receives it as an input and draws on it refuses it.
 
@@ -179,6 +180,33 @@ def test_a_shard_without_a_layout_is_refused(how, op, lost):
     pattern = rf"(?s){op} at .*{line}.*cannot be recovered: {lost} at .*{line}.*use_local_output=False"
     with pytest.raises(Exception, match=pattern):
         _on_rank(0, "invariant", how, "first_head")
+
+
+def _second_shape(p: float, dynamic: bool | None) -> torch.Tensor:
+    """Rank 0's output for a second batch size: Dynamo recompiles, with a symbolic batch
+    size unless ``dynamic=False``."""
+    global P
+    kept, P = P, p
+    try:
+        with fake_rank(0, 2):
+            torch._dynamo.reset()
+            fn = torch.compile(_tensor_parallel(Scores(), 0), backend=compile_rng.backend(layout="invariant"),
+                               dynamic=dynamic)
+            x = _input()
+            fn(x)
+            return fn(torch.cat([x, x[:1]]))
+    finally:
+        P = kept
+
+
+def test_a_graph_with_symbolic_sizes_refuses_a_draw_on_a_local_piece():
+    """Dynamo's graph for a changed shape has a symbolic batch size: a draw on a TP rank's
+    local piece is refused with the fix (``dynamic=False``, which works); without a draw
+    the symbolic graph runs."""
+    with pytest.raises(Exception, match=r"(?s)native_dropout.*sizes are symbolic.*dynamic=False"):
+        _second_shape(P, None)
+    assert _second_shape(P, False).shape == (B + 1, *LOCAL[1:])
+    assert _second_shape(0.0, None).shape == (B + 1, *LOCAL[1:])
 
 
 class _Broken(Scores):

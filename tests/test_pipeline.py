@@ -11,7 +11,8 @@
   (no ``names=``) is not;
 * (slow) every step's float64 loss of GPT and transformers Llama under GPipe, 1F1B,
   interleaved 1F1B and interleaved zero bubble, PP=2 eager, with full or selective AC
-  (``checkpoint_wrapper``), with compiled blocks (after AC, torchtitan's recipe),
+  (``checkpoint_wrapper``), with compiled blocks (in place after AC, torchtitan's recipe,
+  or replaced by ``torch.compile(block)``) or a compiled stage,
   PP=2xDP=2 (FSDP2) and PP=2xTP=2, eager or with AC and compiled blocks, is within 1e-9
   relative of the single process's, for 2, 4 and 8 microbatches (CI runs the cells of
   :data:`CI_JOBS`, ``make test-all`` the whole matrix); stages seeded ``seed + pp_rank``
@@ -258,7 +259,8 @@ def references():
 
 # CI's cells, 4 microbatches unless given: every schedule eager; full and selective AC
 # under every schedule across the two families; compiled stages under each kind of
-# schedule (zero-bubble: a compiled backward in two halves); every schedule x 4-rank
+# schedule (zero-bubble: a compiled backward in two halves), blocks compiled in place and
+# replaced by torch.compile(block); every schedule x 4-rank
 # composition once, eager. The 4-rank compiled stages (torchtitan's whole recipe with
 # FSDP2, the plain TP plan with AC) and whole-stage compiles take minutes each on these
 # 2-core machines: `make test-all` runs them with the rest of the matrix.
@@ -266,7 +268,7 @@ CI_JOBS = {
     2: [(family, schedule, "PP=2") for family in pp.FAMILIES for schedule in pp.SCHEDULES] + [
         ("gpt", "GPipe", "PP=2+AC"), ("gpt", "1F1B", "PP=2+SAC"), ("gpt", "Interleaved1F1B", "PP=2+SAC"),
         ("llama", "GPipe", "PP=2+SAC"), ("llama", "1F1B", "PP=2+AC"), ("llama", "InterleavedZeroBubble", "PP=2+AC"),
-        ("gpt", "Interleaved1F1B", "PP=2+AC+compile"),
+        ("gpt", "Interleaved1F1B", "PP=2+AC+compile"), ("gpt", "GPipe", "PP=2+SAC+compile(modules)"),
         ("gpt", "InterleavedZeroBubble", "PP=2+SAC+compile"), ("llama", "1F1B", "PP=2+AC+compile"),
         ("gpt", "1F1B", "PP=2", 2), ("gpt", "Interleaved1F1B", "PP=2", 8),
         ("llama", "GPipe", "PP=2", 4, False),  # torch's own generator: another curve

@@ -39,7 +39,10 @@ subgraph too, whose own ``to_local()`` calls start shard values there.
 
 Not covered: a shard that leaves the graph (a graph break between ``to_local`` and the
 random op) arrives in the next graph as a plain input and is drawn as a replica; keep
-such code in one graph, or keep the tensor a DTensor (``use_local_output=False``).
+such code in one graph, or keep the tensor a DTensor (``use_local_output=False``). A
+graph with symbolic sizes (dynamic shapes: what Dynamo compiles after an input's shape
+changed) refuses a random op on a local piece, with the fix (``dynamic=False``): DTensor's
+sharding rules do not take SymInt arguments.
 """
 
 from __future__ import annotations
@@ -118,8 +121,18 @@ class _Analysis:
     def start(self, node: fx.Node) -> bool:
         """Whether ``node`` is a ``to_local()`` of a sharded DTensor (recorded then)."""
         if node.op == "call_method" and node.target == "to_local" and is_sharded(_example(node.args[0])):
-            self.values[node] = _example(node.args[0])
-            self.fake_mode = self.fake_mode or detect_fake_mode([local_tensor(self.values[node])])
+            shard = _example(node.args[0])
+            if not all(isinstance(s, int) for s in shard.shape):
+                # DTensor's sharding rules hash their arguments, which a SymInt refuses
+                self.values[node] = Lost(
+                    f"this graph's sizes are symbolic ({_describe(node)} of a DTensor of shape {tuple(shard.shape)}; "
+                    "Dynamo compiles such a graph once an input's shape has changed), and the layout of a "
+                    "TP rank's local piece is recovered for static sizes only: compile with dynamic=False "
+                    "(torch.compile(..., dynamic=False), or module.compile(dynamic=False))"
+                )
+                return True
+            self.values[node] = shard
+            self.fake_mode = self.fake_mode or detect_fake_mode([local_tensor(shard)])
             return True
         return False
 
