@@ -32,27 +32,21 @@ def free_port() -> int:
 @contextlib.contextmanager
 def _cores_shared(world: int) -> Iterator[None]:
     """The environment ``world`` local ranks start in: each gets its share of this
-    machine's cores (``OMP_NUM_THREADS=cores // world``) and, when that share is one core,
-    Inductor compiles in the rank's own process (``TORCHINDUCTOR_COMPILE_THREADS=1``: no
-    pool of workers that each import torch). torchrun does the same (``OMP_NUM_THREADS=1``
-    for several ranks per node): ranks whose threads outnumber the cores spin in OpenMP's
-    barriers on cores the other ranks need - measured 30% of a 2-rank test's CPU time on
-    a 2-core machine. A user who set ``OMP_NUM_THREADS`` shares the cores themselves;
-    this process's environment is restored."""
-    if "OMP_NUM_THREADS" in os.environ:  # the user shares the cores
+    machine's cores (``OMP_NUM_THREADS=cores // world``), as torchrun gives them
+    (``OMP_NUM_THREADS=1`` for several ranks per node): ranks whose threads outnumber the
+    cores spin in OpenMP's barriers on cores the other ranks need - measured 30% of a
+    2-rank test's CPU time on a 2-core machine. Inductor keeps its pool of compile
+    workers: without it, cold compiles on several ranks took longer (gcc no longer
+    overlaps the rank's tracing). A user who set ``OMP_NUM_THREADS`` shares the cores
+    themselves; this process's environment is restored."""
+    if "OMP_NUM_THREADS" in os.environ:
         yield
         return
-    share = max(1, len(os.sched_getaffinity(0)) // world)
-    wanted = {"OMP_NUM_THREADS": str(share)}
-    if share == 1:
-        wanted["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    added = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(added)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world))
     try:
         yield
     finally:
-        for k in added:
-            del os.environ[k]
+        del os.environ["OMP_NUM_THREADS"]
 
 
 def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> None:
