@@ -123,10 +123,7 @@ def _global_sizes(sizes: SizeArgument, args: tuple) -> list[list]:
                     return []
                 requested[lead + dim] = g
         return [requested]
-    whole, piece = math.prod(operand.shape), math.prod(local)
-    if piece == 0:
-        return []
-    factor, rest = whole // piece, whole % piece  # not divmod: sizes may be SymInts (dynamic shapes)
+    factor, rest = divmod(math.prod(operand.shape), max(math.prod(local), 1))
     if rest or factor == 1:
         return []
     out = []
