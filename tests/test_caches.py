@@ -63,7 +63,10 @@ def test_another_rank_hits_the_inductor_artifact_and_gets_its_own_values(tmp_pat
     assert first["values"] != second["values"]
 
 
+# `make test-all`: CI checks the FX graph cache serving another rank under the autograd
+# cache (the default) just above; this is the same with the autograd cache turned off.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_without_the_autograd_cache_the_fx_graph_cache_serves_another_rank(tmp_path):
     first = _run(0, "dtensor", tmp_path, autograd_cache=False)
     second = _run(3, "dtensor", tmp_path, autograd_cache=False)
