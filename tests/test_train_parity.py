@@ -9,9 +9,9 @@ TP=2 (4 ranks), 2 microbatches of gradient accumulation:
   (TP changes the matmuls' summation order); DDP=2 also under activation checkpointing;
 * every step's float64 loss is within relative 1e-9 of the single process in invariant
   mode; in CONTRASTED configurations tracker mode and stock torch, trained alongside,
-  differ by more than 1e-3 by step 2 (the comparison can fail: one data-parallel and
-  one tensor-parallel configuration show it, the others train invariant mode only to
-  keep the slow suite inside CI's budget).
+  differ by more than 1e-3 by step 2 (the comparison can fail: DDP=2 shows it, the
+  others train invariant mode only to keep the slow suite inside CI's budget; the README's
+  table, from examples/train_parity.py, has every configuration's tracker and stock gaps).
 """
 
 import contextlib
@@ -41,7 +41,7 @@ CONFIGS = ["accum=2", "DDP=2", "FSDP2=2", "TP=2+SP", pytest.param("FSDP2=2xTP=2"
 # activations of rows over dp with the sequence sharded over tp bitwise (fake ranks).
 NO_PROBE = {"FSDP2=2xTP=2"}
 CHECKPOINTED = "DDP=2"
-CONTRASTED = {"DDP=2", "TP=2+SP"}
+CONTRASTED = {"DDP=2"}
 
 
 def _probes(block, checkpointed: bool):
