@@ -49,7 +49,7 @@ lint: setup
 test: setup
 	$(VENV)/bin/pytest -q -m "$(MARKS)" $(XDIST) --durations=15
 
-# CI's second run; the exhaustive sweeps (marker `sweep`, minutes each) only in test-all
+# CI's second run; the sweeps and the runs CI leaves out (marker `sweep`) only in test-all
 test-slow: setup
 	$(VENV)/bin/pytest -q -m "slow and not sweep" $(XDIST) --durations=15
 

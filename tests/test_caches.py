@@ -39,7 +39,7 @@ STATE = [21, 72 + 8]  # ceil4(12 * 6) + ceil4(5), on every rank
 
 
 # `make test-all`: in CI, a restarted gloo job (below) hits the caches in second
-# processes, with the same values on every rank, and so does a transformers step.
+# processes, every rank getting its first job's values, and so does a transformers step.
 @pytest.mark.slow
 @pytest.mark.sweep
 def test_a_second_process_hits_the_caches_with_the_same_values(tmp_path):

@@ -86,8 +86,9 @@ def _torchrun(*flags: str) -> subprocess.Popen:
     )
 
 
-# CI launches through torchrun once, as two nodes (below: agents, rendezvous and the
-# environment they set); one --standalone node runs in `make test-all`.
+# CI launches hf_parity through torchrun as two nodes (below: agents, rendezvous and the
+# environment they set), and a --standalone node in tests/test_hf_trainer.py; this one
+# runs in `make test-all`.
 @pytest.mark.sweep
 def test_torchrun_one_node():
     proc = _torchrun("--standalone", "--nproc-per-node", "2")
