@@ -66,10 +66,16 @@ def test_loss_curve_matches_one_process(curves, config):
     _check_curve(config, curves[config])
 
 
+@pytest.fixture(scope="module")
+def curves_beyond_ci() -> dict:
+    """The other configurations' curves, on their own ranks (only `make test-all` asks)."""
+    return hf_parity.run_many(BEYOND_CI, STEPS)
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("config", BEYOND_CI, ids="/".join)
-def test_loss_curve_beyond_ci_matches_one_process(config):
-    _check_curve(config, hf_parity.run_many([config], STEPS)[config])
+def test_loss_curve_beyond_ci_matches_one_process(curves_beyond_ci, config):
+    _check_curve(config, curves_beyond_ci[config])
 
 
 def _table_value(output: str, config: tuple[str, str, str]) -> float:

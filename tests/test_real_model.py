@@ -177,9 +177,8 @@ def _train_tp(rank, world):
         assert not torch.equal(compiled(input_ids=tokens, labels=tokens).loss, loss)  # dropout was live
 
 
-# ~3 min of cold compiles on 2 cores: `make test-all` runs it; in CI, hf_parity's Llama
-# TP=2 cells (compiled per layer, and eager, on real ranks) check the curve against one
-# process; the whole model compiled over TP runs in `make test-all` (here and hf_parity's BEYOND_CI).
+# ~3 min of cold compiles on 2 cores, so `make test-all` only (with hf_parity's whole-model
+# TP cell); CI checks the Llama's TP curve against one process compiled per layer and eager.
 @pytest.mark.sweep
 def test_hf_llama_compiled_forward_backward_with_tp_on_gloo():
     spawn(_train_tp, 2)
