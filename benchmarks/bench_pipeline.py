@@ -8,6 +8,9 @@ Modes, measured in one run on the same ranks:
 * ``tracker`` - compile_rng installed, no step: the stages' eager ops draw from torch's
   generator in schedule order (what compile_rng gives a pipeline without ``names=``);
 * ``stock``   - compile_rng uninstalled, eager stages;
+* ``floor``   - ``stock`` inside an empty ``TorchDispatchMode``: what seeing every aten op
+  of the step costs by itself (torch's Python dispatch), the floor under ``names``, whose
+  step mode sees every op to catch the random ones - forward, backward and recomputation;
 * ``names+compile`` - torchtitan's recipe (every block in ``checkpoint_wrapper``, then
   ``block.compile(fullgraph=True)`` with ``compile_rng.backend(layout="invariant",
   batched=True)``) in the named step;
@@ -44,9 +47,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
+from compile_rng._torch.core_internals import TorchDispatchMode  # noqa: E402
 from compile_rng.launch import spawn  # noqa: E402
 
-MODES = ("names", "tracker", "stock", "names+compile", "stock+compile")
+MODES = ("names", "tracker", "stock", "floor", "names+compile", "stock+compile")
+
+
+class _SeesEveryOp(TorchDispatchMode):
+    """Runs every op as it is: the cost of a Python dispatch mode alone."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def _baseline(mode: str) -> str:
@@ -54,7 +65,7 @@ def _baseline(mode: str) -> str:
 
 
 def _installed_for(mode: str) -> None:
-    if mode.startswith("stock"):
+    if mode.startswith("stock") or mode == "floor":
         compile_rng.uninstall()
     else:
         compile_rng.install()
@@ -83,7 +94,8 @@ def _time_steps(modes: list[str], steps: int, dim: int, microbatches: int) -> di
                 _installed_for(mode)
                 torch.distributed.barrier()
                 start = time.perf_counter()
-                pipe.step(tokens, targets, named=mode.startswith("names"))
+                with _SeesEveryOp() if mode == "floor" else contextlib.nullcontext():
+                    pipe.step(tokens, targets, named=mode.startswith("names"))
                 opt.step()
                 opt.zero_grad()
                 torch.distributed.barrier()

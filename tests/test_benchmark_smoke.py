@@ -179,7 +179,7 @@ def _printed_modes(out: str, expected: list[str]) -> list[str]:
 
 
 def test_bench_pipeline_smoke():
-    expected = ["names", "tracker", "stock"]
+    expected = ["names", "tracker", "stock", "floor"]
     assert _printed_modes(_bench_pipeline(*expected), expected) == expected
 
 
