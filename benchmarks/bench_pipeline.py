@@ -18,8 +18,9 @@ Modes, measured in one run on the same ranks:
 
 Prints the median step time of each and its ratio to the stock run of its kind (eager or
 compiled); the modes take turns step by step, and the compiled modes' first steps (the
-compiles) are not timed. Then, in this process,
-the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
+compiles) are not timed. Then, in this process, what a plain op costs stock, in an empty
+dispatch mode and in a step (whose mode sees every op: Python dispatch is the floor under
+it); the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
 seed from its cache) against ``state.advance`` (the step's sequence), and the uncached
 SHA-256 of a name (paid once per name and run seed), next to the time one dropout of
 ``--elements`` elements takes: the key is computed per op, not per element; and, with the
@@ -55,6 +56,10 @@ MODES = ("names", "tracker", "stock", "floor", "names+compile", "stock+compile")
 
 class _SeesEveryOp(TorchDispatchMode):
     """Runs every op as it is: the cost of a Python dispatch mode alone."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as the step's mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -110,6 +115,28 @@ def _body(rank: int, world: int, modes: list, steps: int, dim: int, microbatches
     results = _time_steps(modes, steps, dim, microbatches)
     if rank == 0:
         torch.save(results, out)
+
+
+def dispatch_cost(ops: int = 2000, reps: int = 8) -> dict[str, float]:
+    """Seconds per plain op (a 4x4 ``addmm``, one thread): stock, in an empty dispatch
+    mode, and in a step (whose mode sees it to let it pass). Best of ``reps`` interleaved
+    runs: the cost, not the machine's noise."""
+    x, w = torch.ones(4, 4), torch.ones(4, 4)
+
+    def run() -> float:
+        y, start = x, time.perf_counter()
+        for _ in range(ops):
+            y = torch.addmm(y, y, w)
+        return (time.perf_counter() - start) / ops
+
+    contexts = {"a plain op, stock": contextlib.nullcontext, "a plain op, empty dispatch mode": _SeesEveryOp,
+                "a plain op, in a step": lambda: compile_rng.step(4)}
+    best = dict.fromkeys(contexts, float("inf"))
+    for _ in range(reps):
+        for what, context in contexts.items():
+            with context():
+                best[what] = min(best[what], run())
+    return best
 
 
 def naming_cost(elements: int) -> dict[str, float]:
@@ -199,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         median = statistics.median(results[mode])
         print(f"{mode:14} {median:9.4f} {median / statistics.median(results[_baseline(mode)]):8.2f}")
     print()
-    costs = naming_cost(args.elements)
+    costs = {**dispatch_cost(), **naming_cost(args.elements)}
     print(f"{'per op':34} {'us':>9}")
     for what, seconds in costs.items():
         print(f"{what:34} {seconds * 1e6:9.2f}")
