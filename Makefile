@@ -49,9 +49,10 @@ lint: setup
 test: setup
 	$(VENV)/bin/pytest -q -m "$(MARKS)" $(XDIST) --durations=15
 
-# CI's second run; the sweeps and the runs CI leaves out (marker `sweep`) only in test-all
+# CI's second run; the sweeps (marker `sweep`) and the runs CI leaves out for its budget
+# (marker `beyond_ci`) only in test-all
 test-slow: setup
-	$(VENV)/bin/pytest -q -m "slow and not sweep" $(XDIST) --durations=15
+	$(VENV)/bin/pytest -q -m "slow and not sweep and not beyond_ci" $(XDIST) --durations=15
 
 test-all: setup
 	$(VENV)/bin/pytest -q $(XDIST)

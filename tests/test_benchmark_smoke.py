@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end on small sizes (asserting nothing about speed).
 
 The scripts whose smoke runs cold-compile for minutes on a 2-core machine (the init
-benchmarks, the training step, the compiled pipeline) are marked ``sweep``: ``make
+benchmarks, the training step, the compiled pipeline) are marked ``beyond_ci``: ``make
 test-all`` runs them, as before any figure from them is quoted; CI runs the others."""
 
 import json
@@ -95,7 +95,7 @@ SMALL_MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--hidden", "96",
 
 
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_bench_init_smoke(tmp_path):
     out = tmp_path / "init.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init.py"), *SMALL_MODEL, "--json", str(out)],
@@ -112,7 +112,7 @@ def test_bench_init_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_bench_init_first_smoke(tmp_path):
     out = tmp_path / "first.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_init_first.py"), *SMALL_MODEL[:-2], "--json", str(out)],
@@ -123,7 +123,7 @@ def test_bench_init_first_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_bench_train_step_smoke(tmp_path):
     out = tmp_path / "train.json"
     args = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "4", "--warmup", "1",
@@ -184,7 +184,7 @@ def test_bench_pipeline_smoke():
 
 
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_bench_pipeline_compiled_smoke():
     expected = ["stock", "names+compile", "stock+compile"]  # the baseline runs with its mode
     out = _bench_pipeline("names+compile", "stock")

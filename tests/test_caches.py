@@ -41,7 +41,7 @@ STATE = [21, 72 + 8]  # ceil4(12 * 6) + ceil4(5), on every rank
 # `make test-all`: in CI, a restarted gloo job (below) hits the caches in second
 # processes, every rank getting its first job's values, and so does a transformers step.
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_a_second_process_hits_the_caches_with_the_same_values(tmp_path):
     first = _run(0, "plain", tmp_path)
     second = _run(0, "plain", tmp_path)
@@ -69,7 +69,7 @@ def test_another_rank_hits_the_inductor_artifact_and_gets_its_own_values(tmp_pat
 # `make test-all`: CI checks the FX graph cache serving another rank under the autograd
 # cache (the default) just above; this is the same with the autograd cache turned off.
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_without_the_autograd_cache_the_fx_graph_cache_serves_another_rank(tmp_path):
     first = _run(0, "dtensor", tmp_path, autograd_cache=False)
     second = _run(3, "dtensor", tmp_path, autograd_cache=False)

@@ -31,7 +31,7 @@ PROGRAM = textwrap.dedent(
 # process, and the real-rank tests (1 OpenMP thread per rank) check compiled masks bitwise
 # against one process on all of the machine's threads.
 @pytest.mark.slow
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_same_seed_same_values_across_processes_threads_and_caches(tmp_path):
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)

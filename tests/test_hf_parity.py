@@ -72,7 +72,7 @@ def curves_beyond_ci() -> dict:
     return hf_parity.run_many(BEYOND_CI, STEPS)
 
 
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 @pytest.mark.parametrize("config", BEYOND_CI, ids="/".join)
 def test_loss_curve_beyond_ci_matches_one_process(curves_beyond_ci, config):
     _check_curve(config, curves_beyond_ci[config])
@@ -95,7 +95,7 @@ def _torchrun(*flags: str) -> subprocess.Popen:
 # CI launches hf_parity through torchrun as two nodes (below: agents, rendezvous and the
 # environment they set), and a --standalone node in tests/test_hf_trainer.py; this one
 # runs in `make test-all`.
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_torchrun_one_node():
     proc = _torchrun("--standalone", "--nproc-per-node", "2")
     output, _ = proc.communicate(timeout=600)

@@ -179,6 +179,6 @@ def _train_tp(rank, world):
 
 # ~3 min of cold compiles on 2 cores, so `make test-all` only (with hf_parity's whole-model
 # TP cell); CI checks the Llama's TP curve against one process compiled per layer and eager.
-@pytest.mark.sweep
+@pytest.mark.beyond_ci
 def test_hf_llama_compiled_forward_backward_with_tp_on_gloo():
     spawn(_train_tp, 2)

@@ -35,7 +35,7 @@ STEPS = 3
 # FSDP2 x TP (4 ranks, ~2 min cold on 2 cores) runs in `make test-all`; CI checks the 2-D
 # mesh's loss curve on transformers' Llama (tests/test_hf_parity.py) and its init on
 # torchtitan's llama3 (tests/test_torchtitan.py).
-CONFIGS = ["accum=2", "DDP=2", "FSDP2=2", "TP=2+SP", pytest.param("FSDP2=2xTP=2", marks=pytest.mark.sweep)]
+CONFIGS = ["accum=2", "DDP=2", "FSDP2=2", "TP=2+SP", pytest.param("FSDP2=2xTP=2", marks=pytest.mark.beyond_ci)]
 # A probe compiled on a submodule of the 2-D model fails at run time in torch's own
 # collective ("Could not resolve the process group registered under the name 4"); the
 # whole 2-D model trains fine (losses below), and tests/test_batched.py checks the
