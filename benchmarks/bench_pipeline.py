@@ -118,7 +118,7 @@ def _body(rank: int, world: int, modes: list, steps: int, dim: int, microbatches
 
 
 def dispatch_cost(ops: int = 2000, reps: int = 8) -> dict[str, float]:
-    """Seconds per plain op (a 4x4 ``addmm``, one thread): stock, in an empty dispatch
+    """Seconds per plain op (a 4x4 ``addmm``): stock, in an empty dispatch
     mode, and in a step (whose mode sees it to let it pass). Best of ``reps`` interleaved
     runs: the cost, not the machine's noise."""
     x, w = torch.ones(4, 4), torch.ones(4, 4)

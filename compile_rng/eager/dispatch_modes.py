@@ -214,8 +214,6 @@ class RandomOpMode(TorchDispatchMode):
             # a tensor-parallel rank's local piece of a DTensor: recorded only once DTensor
             # exists, so its dispatch (which imports DTensor) has registered by then
             return _local_piece_dispatch[0](func, args, kwargs)
-        if kind is _OpKind.PLAIN:
-            return func(*args, **kwargs)
         if kind is _OpKind.RANDOM_WITHOUT_RULE:
             kw = normalized_arguments(func, args, kwargs)
             if kw.get("generator") is not None:
