@@ -27,8 +27,14 @@ SHA-256 of a name (paid once per name and run seed), next to the time one dropou
 compiled modes, the step time of compiled blocks with ``names=`` against the same step
 without (the cost of a compiled graph's key table).
 
+With ``--separate ROUNDS`` each mode runs alone on fresh ranks instead, the modes taking
+turns ROUNDS times: what a job that runs one mode sees, without the other modes' state in
+its processes (compile_rng installed and uninstalled between steps, their compiled graphs
+and memory); the machine's drift between runs then hits the modes unevenly, so take
+several rounds.
+
 Run: ``python benchmarks/bench_pipeline.py [--steps 8] [--dim 256] [--elements 1048576]
-[--modes names stock ...]`` (a mode's baseline always runs).
+[--modes names stock ...] [--separate 2]`` (a mode's baseline always runs).
 """
 
 from __future__ import annotations
@@ -205,6 +211,14 @@ def compiled_naming_cost(blocks: int = 8, steps: int = 30) -> dict[str, float]:
             f"{blocks} compiled blocks, no names": statistics.median(times[False])}
 
 
+def _spawned(modes: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step of each of ``modes``, timed on 2 fresh ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.pt")
+        spawn(_body, 2, modes, args.steps, args.dim, args.microbatches, out)
+        return torch.load(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -212,15 +226,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--elements", type=int, default=1 << 20)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
+    parser.add_argument("--separate", type=int, default=0, metavar="ROUNDS",
+                        help="run each mode alone on its own ranks, the modes taking turns ROUNDS times")
     args = parser.parse_args(argv)
     wanted = set(args.modes) | {_baseline(m) for m in args.modes}
     modes = [m for m in MODES if m in wanted]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.pt")
-        spawn(_body, 2, modes, args.steps, args.dim, args.microbatches, out)
-        results = torch.load(out)
-    print(f"2-stage 1F1B pipeline, GPT dim {args.dim}, {args.microbatches} microbatches, "
-          f"median of {args.steps} steps:")
+    if args.separate:
+        results = {mode: [] for mode in modes}
+        for _ in range(args.separate):
+            for mode in modes:
+                results[mode] += _spawned([mode], args)[mode]
+        how = f"each mode alone on its own ranks, {args.separate} rounds of {args.steps} steps"
+    else:
+        results, how = _spawned(modes, args), f"the modes taking turns on the same ranks, {args.steps} steps"
+    print(f"2-stage 1F1B pipeline, GPT dim {args.dim}, {args.microbatches} microbatches, median step ({how}):")
     print(f"{'mode':14} {'s/step':>9} {'x stock':>8}  (its kind's stock run)")
     for mode in modes:
         median = statistics.median(results[mode])

@@ -163,10 +163,10 @@ def test_bench_import_smoke():
     assert rows["import torch"][1] == "1.00x"
 
 
-def _bench_pipeline(*modes: str) -> str:
+def _bench_pipeline(*modes: str, separate: int = 0) -> str:
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--dim", "32",
-         "--elements", "4096", "--modes", *modes],
+         "--elements", "4096", "--separate", str(separate), "--modes", *modes],
         capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -181,6 +181,13 @@ def _printed_modes(out: str, expected: list[str]) -> list[str]:
 def test_bench_pipeline_smoke():
     expected = ["names", "tracker", "stock", "floor"]
     assert _printed_modes(_bench_pipeline(*expected), expected) == expected
+
+
+def test_bench_pipeline_runs_modes_on_their_own_ranks():
+    expected = ["tracker", "stock"]  # the baseline runs with its mode
+    out = _bench_pipeline("tracker", separate=1)
+    assert "each mode alone on its own ranks, 1 rounds of 1 steps" in out
+    assert _printed_modes(out, expected) == expected
 
 
 @pytest.mark.slow
