@@ -201,7 +201,7 @@ class RandomOpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _op_kinds.get(func) or _op_kind(func)
+        kind = _op_kind(func)
         if kind is _OpKind.PLAIN and not (self.plain_only and local_values.touches((args, kwargs))):
             # Most ops of a step: run as they are. (A plain op on a DTensor runs its own
             # dispatch either way; one on a recorded local piece needs the piece's.)
