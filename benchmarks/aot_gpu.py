@@ -13,6 +13,7 @@ a summary per op; ``--full`` prints every variant. Nothing runs on a GPU: the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -222,10 +223,11 @@ def main() -> None:
     names = [n for n in ao.specializations() if not args.only or any(s in n for s in args.only)]
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(names)} variants x "
           f"{', '.join(f'sm_{a}' for a in archs)} (skipped, unsupported here: {sorted(set(args.arch) - set(archs))})")
-    cache = None if args.cache else tempfile.mkdtemp(prefix="compile_rng_aot_")
-    start = time.perf_counter()
-    results = gpu_aot.compile_all(names, archs, jobs=args.jobs, cache_dir=cache)
-    wall = time.perf_counter() - start
+    fresh_cache = contextlib.nullcontext() if args.cache else tempfile.TemporaryDirectory(prefix="compile_rng_aot_")
+    with fresh_cache as cache:
+        start = time.perf_counter()
+        results = gpu_aot.compile_all(names, archs, jobs=args.jobs, cache_dir=cache)
+        wall = time.perf_counter() - start
     (print_full if args.full else print_summary)(results, archs)
     print(f"wall {wall:.0f} s for {len(results)} compiles on {args.jobs or os.cpu_count()} workers")
     if args.json:

@@ -66,10 +66,11 @@ def run_rank(rank: int, world: int, model: str, mode: str, results: dict) -> Non
 
 def measure(model: str, mode: str, world: int) -> tuple[float, int]:
     """(the slowest rank's seconds, Inductor compiles summed over ranks) of one cold job."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"bench_job_{model}_{mode}_")
     os.environ["COMPILE_RNG_JOB_COMPILE"] = "0" if mode == "each" else "1"
     results = results_dict()
-    spawn(run_rank, world, model, mode, results)
+    with tempfile.TemporaryDirectory(prefix=f"bench_job_{model}_{mode}_") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        spawn(run_rank, world, model, mode, results)
     return max(s for s, _ in results.values()), sum(n for _, n in results.values())
 
 
