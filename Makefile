@@ -15,7 +15,7 @@ XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile,)
 # what `make test` selects (CI's torch 2.15 run adds "and not torch_independent")
 MARKS ?= not slow
 
-.PHONY: setup demo parity lint test test-slow test-all test-gpu aot-gpu bench load clean
+.PHONY: setup demo parity lint test test-slow test-all test-gpu gpu-check aot-gpu bench load clean
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,13 @@ test-all: setup
 # On a CUDA machine: the GPU suite, then the kernel tests (they run on the GPU there).
 test-gpu: setup
 	$(VENV)/bin/pytest -q tests/gpu tests/test_triton_kernels.py tests/test_stream_conformance.py
+
+# On one NVIDIA GPU whose Python already has torch (2.11-2.15) and triton, no network and
+# no venv: installs this checkout into that Python, runs the GPU suite, bench_gpu.py and an
+# Nsight Compute count, and writes gpu-check-out/gpu-check.md (under 8 minutes on an H100).
+# The first thing to run whenever a GPU is lent.
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 # No GPU needed: every Triton kernel variant compiled ahead of time for sm_80/90/100
 # (registers, spills, compile time), then sm_90 instructions per element and the H100

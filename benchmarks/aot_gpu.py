@@ -80,8 +80,9 @@ def print_summary(results: list[gpu_aot.Compiled], archs: tuple[int, ...]) -> No
 # --- instructions per element (sm_90) --------------------------------------------------------
 
 _ADDR = re.compile(r"^/\*([0-9a-f]+)\*/\s+(.*)$")
-_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 _CALL = re.compile(r"CALL\.REL\.NOINC\s+0x([0-9a-f]+)")
+
 
 #: SASS opcode -> the unit class the estimate charges it to.
 _CLASSES = (
@@ -113,25 +114,27 @@ def _sass_with_addresses(cubin: bytes) -> list[tuple[int, str]]:
 
 
 def executed_per_thread(sass: list[tuple[int, str]]) -> list[str]:
-    """The instructions one thread executes on the common path, estimated from the static
-    SASS: the kernel body up to its EXIT, less each region a forward conditional branch
-    skips when that region holds a rare path - a subroutine call (ptxas's 64-bit division,
-    called only when an operand needs more than 32 bits; the 32-bit division is inline
-    beside it) or table loads (``LDG.E.CONSTANT``: libdevice's Payne-Hanek reduction for
-    sin/cos, taken only for |x| > 105615, and the angles here are below 2 pi) - plus the
-    body of any subroutine still called, once per call."""
-    exit_at = next(i for i, (_, ins) in enumerate(sass) if ins.startswith("EXIT"))
-    body, by_addr = sass[: exit_at + 1], {a: i for i, (a, _) in enumerate(sass)}
-    rare: set[int] = set()
-    for i, (addr, ins) in enumerate(body):
+    """The instructions one thread executes on the common path, walked through the static
+    SASS from the entry to an EXIT: an unconditional branch is followed; a conditional
+    forward branch falls through - ptxas lays out an ``if``'s then-block first, and the
+    kernels put the common case there (at most one outer dim; a whole aligned tile) -
+    unless the fall-through region holds a rare path, which is then skipped: a subroutine
+    call (ptxas's 64-bit division, called only when an operand needs more than 32 bits)
+    or table loads (``LDG.E.CONSTANT``: libdevice's Payne-Hanek reduction for sin/cos,
+    taken only for |x| > 105615, and the angles here are below 2 pi). A subroutine still
+    called counts its body once per call. Counting the whole body instead (both sides of
+    every ``if``) overstated uniform by a third."""
+    by_addr = {a: i for i, (a, _) in enumerate(sass)}
+    executed, i = [], 0
+    while not sass[i][1].startswith("EXIT"):
+        addr, ins = sass[i]
         m = _BRANCH.match(ins)
-        if m and m.group(1) and int(m.group(1), 16) > addr:
-            end = by_addr.get(int(m.group(1), 16), len(body))
-            if any("LDG.E.CONSTANT" in s or "CALL" in s for _, s in body[i + 1:end]):
-                rare.update(range(i + 1, end))
-    executed = []
-    for i, (_, ins) in enumerate(body):
-        if i in rare:
+        if m and m.group(2):
+            target = by_addr[int(m.group(2), 16)]
+            skipped = sass[i + 1:target] if target > i else []
+            rare = any("LDG.E.CONSTANT" in s or "CALL" in s for _, s in skipped)
+            executed.append(ins)
+            i = target if not m.group(1) or rare else i + 1
             continue
         executed.append(ins)
         call = _CALL.search(ins)
@@ -140,6 +143,8 @@ def executed_per_thread(sass: list[tuple[int, str]]) -> list[str]:
             while not sass[j][1].startswith("RET"):
                 executed.append(sass[j][1])
                 j += 1
+        i += 1
+    executed.append(sass[i][1])
     return executed
 
 

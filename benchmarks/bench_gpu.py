@@ -1,25 +1,30 @@
 """GPU throughput of compile_rng's Triton kernels against torch, in one run (CUDA only).
 
-For 64M float32 elements (``--numel``): ns/element and achieved GB/s of compile_rng's
-uniform, normal and dropout (eager calls of the Triton kernels, and the same ops in a
-``backend="compile_rng"`` graph), eager torch ``uniform_``/``normal_``/``F.dropout``,
-stock Inductor ``torch.rand``/``torch.randn``/``F.dropout``, and ``fill_`` (the write
-floor). "of fill" is the fraction of ``fill_``'s bandwidth (bytes moved / time):
-the practical peak of this GPU for a pure write.
+Eager (``--numel`` elements, 64M by default, float32 and bfloat16): compile_rng's
+uniform, normal and dropout kernels (the functional ops called directly), torch's own
+``uniform_``/``normal_``/``F.dropout`` and ``fill_`` (the write floor). Compiled: the
+same ops in a ``backend="compile_rng"`` graph and in stock Inductor's; and two graphs
+where a draw feeds other work - ``dropout(x) + residual`` and attention probabilities
+``dropout(softmax(s)) @ v`` - under compile_rng, stock Inductor, and stock Inductor
+without the dropout (what the draw costs at all). Every ratio is against a baseline timed
+in the same run: "x torch" is time over torch eager's (or stock Inductor's, for
+graphs), "of fill" the fraction of ``fill_``'s bandwidth (bytes moved / time).
 
-    python benchmarks/bench_gpu.py [--numel N]
+    python benchmarks/bench_gpu.py [--numel N] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-def _time(fn, reps: int = 20) -> float:
+def _time(fn: Callable[[], object], reps: int = 20) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls (CUDA events, after warm-up)."""
     for _ in range(3):
         fn()
@@ -35,81 +40,161 @@ def _time(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _time_or_error(fn) -> float | str:
-    """:func:`_time`, or the error's first line: one case that cannot run (a torch
-    without what a compiled row needs, seen on a GPU image's torch 2.11) leaves the
-    other rows measured."""
+def _time_or_error(fn: Callable[[], object]) -> float | str:
+    """:func:`_time`, or the error's first line: one case that cannot run leaves the
+    other rows measured (and says why in the table)."""
     try:
         return _time(fn)
     except Exception as e:  # noqa: BLE001  (reported in the table, not hidden)
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
 
 
-def _compiled(fn, backend: str):
-    """``torch.compile(fn, backend=backend)``, or, where that already raises (a backend
-    this torch cannot find), a function raising the same error when its row is timed."""
-    try:
-        return torch.compile(fn, backend=backend)
-    except Exception as e:  # noqa: BLE001  (raised again by the row, which reports it)
-        def unavailable(*args, error=e):
-            raise error
+class _Compiled:
+    """``torch.compile(fn, backend=backend)`` called on ``args``, compiled afresh when its
+    row is timed (Dynamo's cache is reset then: one backend's graph never serves another
+    backend's row, nor one dtype's another's)."""
 
-        return unavailable
+    def __init__(self, fn: Callable, backend: str, *args: torch.Tensor):
+        self.fn, self.backend, self.args, self.compiled = fn, backend, args, None
+
+    def __call__(self) -> object:
+        if self.compiled is None:
+            torch._dynamo.reset()
+            self.compiled = torch.compile(self.fn, backend=self.backend)
+        return self.compiled(*self.args)
+
+
+def eager_rows(n: int, dtype: torch.dtype) -> list[dict]:
+    import compile_rng
+    from compile_rng import ops
+
+    dev = torch.device("cuda")
+    size = torch.tensor([], dtype=dtype).element_size()
+    out = torch.empty(n, device=dev, dtype=dtype)
+    x = torch.randn(n, device=dev).to(dtype)
+    key = ops.make_key(1, 0, dev)
+    compile_rng.manual_seed(1)
+    # bytes moved: a draw writes one element; dropout reads one, writes one and a mask byte
+    moved = {"fill_": size * n, "uniform": size * n, "normal": size * n, "dropout": (2 * size + 1) * n}
+    cases = {
+        "fill_": {"torch eager": lambda: out.fill_(1.0)},
+        "uniform": {
+            "compile_rng eager": lambda: ops.uniform(key, 0, [n], [1], 0.0, 1.0, dtype),
+            "torch eager": lambda: out.uniform_(),
+            "compile_rng graph": _Compiled(lambda: torch.rand(n, device=dev, dtype=dtype), "compile_rng"),
+            "stock Inductor": _Compiled(lambda: torch.rand(n, device=dev, dtype=dtype), "inductor"),
+        },
+        "normal": {
+            "compile_rng eager": lambda: ops.normal(key, 0, [n], [1], 0.0, 1.0, dtype),
+            "torch eager": lambda: out.normal_(),
+            "compile_rng graph": _Compiled(lambda: torch.randn(n, device=dev, dtype=dtype), "compile_rng"),
+            "stock Inductor": _Compiled(lambda: torch.randn(n, device=dev, dtype=dtype), "inductor"),
+        },
+        "dropout": {
+            "compile_rng eager": lambda: ops.dropout(key, 0, x, [1], 0.1),
+            "torch eager": lambda: F.dropout(x, 0.1),
+            "compile_rng graph": _Compiled(lambda t: F.dropout(t, 0.1), "compile_rng", x),
+            "stock Inductor": _Compiled(lambda t: F.dropout(t, 0.1), "inductor", x),
+        },
+    }
+    rows = []
+    for op, impls in cases.items():
+        for who, fn in impls.items():
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "op": op, "impl": who,
+                         "s": _time_or_error(fn), "bytes": moved[op], "numel": n})
+    return rows
+
+
+def graph_rows(n: int) -> list[dict]:
+    """The draw inside a graph: ``dropout(x) + residual`` (float32, ``n`` elements) and
+    attention probabilities ``dropout(softmax(s), 0.1) @ v`` (bfloat16, ``n`` scores)."""
+    dev = torch.device("cuda")
+    x, r = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    seq = 1024
+    heads = max(1, n // (seq * seq))
+    s = torch.randn(heads, seq, seq, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(heads, seq, 64, device=dev, dtype=torch.bfloat16)
+    graphs = {
+        "dropout(x) + residual": (lambda a, b: F.dropout(a, 0.1) + b, lambda a, b: a + b, (x, r)),
+        "dropout(softmax(s)) @ v": (
+            lambda a, b: F.dropout(torch.softmax(a, -1), 0.1) @ b, lambda a, b: torch.softmax(a, -1) @ b, (s, v)),
+    }
+    rows = []
+    for name, (with_dropout, without, args) in graphs.items():
+        for who, fn, backend in (("compile_rng", with_dropout, "compile_rng"), ("stock Inductor", with_dropout, "inductor"),
+                                 ("stock Inductor, no dropout", without, "inductor")):
+            rows.append({"graph": name, "impl": who, "s": _time_or_error(_Compiled(fn, backend, *args))})
+    return rows
+
+
+def ncu_launches(n: int) -> None:
+    """One launch each of the uniform, normal and dropout kernels (float32, ``n``
+    elements, a plain stream), for Nsight Compute to count what they execute."""
+    from compile_rng import ops
+
+    dev = torch.device("cuda")
+    key, x = ops.make_key(1, 0, dev), torch.randn(n, device=dev)
+    ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)
+    ops.normal(key, 0, [n], [1], 0.0, 1.0, torch.float32)
+    ops.dropout(key, 0, x, [1], 0.1)
+    torch.cuda.synchronize()
+    print(f"ncu launches: uniform, normal, dropout; float32; numel={n}")
+
+
+def _fmt(t: float | str, digits: int = 4) -> str:
+    return f"{t * 1e3:.{digits}f} ms" if isinstance(t, float) else f"failed: {t}"
+
+
+def report(eager: list[dict], graphs: list[dict]) -> str:
+    lines = [f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
+             f"{__import__('triton').__version__}  numel={eager[0]['numel']}"]
+    lines.append(f"{'dtype':<9}{'op':<9}{'implementation':<20}{'ns/elem':>9}{'GB/s':>8}{'of fill':>9}{'x torch':>9}")
+    for dtype in dict.fromkeys(r["dtype"] for r in eager):
+        rows = [r for r in eager if r["dtype"] == dtype]
+        fill = next(r for r in rows if r["op"] == "fill_")
+        fill_bw = fill["bytes"] / fill["s"] if isinstance(fill["s"], float) else None
+        for r in rows:
+            if not isinstance(r["s"], float):
+                lines.append(f"{dtype:<9}{r['op']:<9}{r['impl']:<20} failed: {r['s']}")
+                continue
+            baseline_impl = "stock Inductor" if "graph" in r["impl"] else "torch eager"
+            base = next((b["s"] for b in rows if b["op"] == r["op"] and b["impl"] == baseline_impl), None)
+            ratio = f"{r['s'] / base:9.2f}" if isinstance(base, float) and r["impl"] != baseline_impl else f"{'':9}"
+            bw = r["bytes"] / r["s"]
+            of_fill = f"{bw / fill_bw:9.2f}" if fill_bw else f"{'':9}"
+            lines.append(f"{dtype:<9}{r['op']:<9}{r['impl']:<20}{r['s'] / r['numel'] * 1e9:9.4f}{bw / 1e9:8.0f}{of_fill}{ratio}")
+    lines.append("")
+    lines.append(f"{'graph':<26}{'implementation':<28}{'time':>12}{'x stock':>9}{'x no dropout':>14}")
+    for name in dict.fromkeys(r["graph"] for r in graphs):
+        rows = {r["impl"]: r["s"] for r in graphs if r["graph"] == name}
+        stock, bare = rows.get("stock Inductor"), rows.get("stock Inductor, no dropout")
+        for who, t in rows.items():
+            x_stock = f"{t / stock:9.2f}" if isinstance(t, float) and isinstance(stock, float) else f"{'':9}"
+            x_bare = f"{t / bare:14.2f}" if isinstance(t, float) and isinstance(bare, float) else f"{'':14}"
+            lines.append(f"{name:<26}{who:<28}{_fmt(t):>12}{x_stock}{x_bare}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=64 << 20)
+    parser.add_argument("--json", default=None, help="write every timing here")
+    parser.add_argument("--ncu-launches", action="store_true",
+                        help="launch uniform, normal and dropout (float32) once each, for a profiler")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured")
         sys.exit(0)
-    import compile_rng
-    from compile_rng import ops
-
-    n, dev = args.numel, torch.device("cuda")
-    out = torch.empty(n, device=dev)
-    x = torch.randn(n, device=dev)
-    key = ops.make_key(1, 0, dev)
-    compile_rng.manual_seed(1)
-    programs = {
-        "uniform": lambda: torch.rand(n, device=dev),
-        "normal": lambda: torch.randn(n, device=dev),
-        "dropout": lambda t: F.dropout(t, 0.1),
-    }
-    cr_graph = {name: _compiled(fn, "compile_rng") for name, fn in programs.items()}
-    stock = {name: _compiled(fn, "inductor") for name, fn in programs.items()}
-    # bytes each op moves: writes 4/elem; dropout reads 4, writes 4 and a 1-byte mask
-    moved = {"uniform": 4 * n, "normal": 4 * n, "dropout": 9 * n, "fill_": 4 * n}
-    rows = [("fill_", "torch", _time(lambda: out.fill_(1.0)))]
-    for name in ("uniform", "normal", "dropout"):
-        if name == "dropout":
-            cases = [
-                ("compile_rng eager", lambda: ops.dropout(key, 0, x, [1], 0.1)),
-                ("compile_rng graph", lambda: cr_graph["dropout"](x)),
-                ("torch eager", lambda: F.dropout(x, 0.1)),
-                ("stock Inductor", lambda: stock["dropout"](x)),
-            ]
-        else:
-            op = ops.uniform if name == "uniform" else ops.normal
-            lo, hi = (0.0, 1.0)
-            eager = (lambda: out.uniform_()) if name == "uniform" else (lambda: out.normal_())
-            cases = [
-                ("compile_rng eager", lambda op=op, lo=lo, hi=hi: op(key, 0, [n], [1], lo, hi, torch.float32)),
-                ("compile_rng graph", cr_graph[name]),
-                ("torch eager", eager),
-                ("stock Inductor", stock[name]),
-            ]
-        rows += [(name, who, _time_or_error(fn)) for who, fn in cases]
-    fill_bw = moved["fill_"] / rows[0][2]
-    print(f"{torch.cuda.get_device_name()}  numel={n}  torch {torch.__version__}")
-    print(f"{'op':<9}{'implementation':<20}{'ns/elem':>9}{'GB/s':>9}{'of fill':>9}")
-    for name, who, t in rows:
-        if isinstance(t, str):
-            print(f"{name:<9}{who:<20} failed: {t}")
-            continue
-        bw = moved[name] / t
-        print(f"{name:<9}{who:<20}{t / n * 1e9:>9.4f}{bw / 1e9:>9.0f}{bw / fill_bw:>9.2f}")
+    if args.ncu_launches:
+        ncu_launches(args.numel)
+        return
+    eager = [row for dtype in (torch.float32, torch.bfloat16) for row in eager_rows(args.numel, dtype)]
+    graphs = graph_rows(args.numel)
+    print(report(eager, graphs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "eager": eager, "graphs": graphs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,44 @@ def test_errors_name_the_op():
         on_triton(ops.randint, key, 0, [2], [1], 5, 5, torch.int64)
     with pytest.raises(ValueError, match="compile_rng.normal: counter strides must be non-negative"):
         on_triton(ops.normal, key, 0, [2], [-1], 0.0, 1.0, torch.float32)
+
+
+# --- the block path's tiles ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 4], ids=lambda o: f"offset{o}")
+def test_whole_and_partial_tiles_match_the_cpu_kernels(offset, monkeypatch):
+    """Rows longer than two tiles, whose tiles start at every lane and element alignment:
+    whole aligned tiles take the unmasked (vectorized) stores, the rest the masked ones;
+    and a grid split into launches of at most two rows (a grid's second dim is bounded)."""
+    from compile_rng.stream import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_GRID_ROWS", 2)
+    tile = 4 * tk._BLOCKS
+    size, strides = [3, 2 * tile + 5], [2 * tile + 8 + 3, 1]  # rows start at lanes 0, 3, 2
+    key = ops.make_key(SEED, 2**64 - 4 * tile)  # the block counter carries past 2**32 and wraps
+    with tk.recording() as seen:
+        accelerator_ops.uniform(key, offset, size, strides, 0.0, 1.0, torch.float32)
+    assert [step.grid for step in seen] == [(3, 2), (3, 1)]
+    x = torch.randn(size, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu, triton = _both(ops.uniform, key, offset, size, strides, -1.0, 2.0, dtype)
+        assert torch.equal(cpu, triton), dtype
+        cpu, triton = _both(ops.dropout, key, offset, x.to(dtype), strides, 0.3)
+        assert torch.equal(cpu[0], triton[0]) and torch.equal(cpu[1], triton[1]), dtype
+    cpu, triton = _both(ops.random_bits, key, offset, size, strides)
+    assert torch.equal(cpu, triton)
+    cpu, triton = _both(ops.normal, key, offset, size, strides, 0.0, 1.0, torch.float32)
+    assert ulp_distance(cpu, triton) <= ULP_BOUND
+
+
+def test_uniform_values_that_round_to_the_upper_bound_are_replaced_as_on_cpu():
+    """Bounds that the output dtype cannot represent: the kernel compares with the least
+    representable value at or above the bound; the CPU kernel widens to float64."""
+    key = ops.make_key(SEED, 0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for low, high in ((0.0, 1 + 2**-9), (1.0, 1.0 + 2**-30), (-3.0, 70000.0), (-1e-3, 65519.0)):
+            cpu, triton = _both(ops.uniform, key, 1, [4096], [1], low, high, dtype)
+            assert torch.equal(cpu, triton), (dtype, low, high)
+    # the test can fail: with these bounds the replacement happens
+    assert (ops.uniform(key, 1, [4096], [1], 1.0, 1.0 + 2**-30, torch.bfloat16) == 1.0).all()

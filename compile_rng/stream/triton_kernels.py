@@ -45,8 +45,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 UNIFORM, NORMAL, EXPONENTIAL, BERNOULLI, BERNOULLI_TENSOR, DROPOUT, RANDINT, RANDOM_BITS = range(8)
 _OUTER_DIMS = 3  # outer dims a launch takes; more are looped over on the host
-_BLOCKS = 256  # Philox blocks per program (1024 elements) on the block path
+_BLOCKS = 512  # Philox blocks per program (2048 elements) on the block path
 _ELEMS = 1024  # elements per program on the per-element path
+_GRID_ROWS = 65535  # the most programs a grid's second dim holds (CUDA's limit)
 
 # --- device code ------------------------------------------------------------------------
 
@@ -77,10 +78,8 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _words(block, k0, k1, c2: tl.constexpr):
-    """The four words of Philox block ``block`` (uint64) with third counter word ``c2``."""
-    lo = (block & _MASK32).to(tl.uint32)
-    hi = (block >> 32).to(tl.uint32)
+def _words(lo, hi, k0, k1, c2: tl.constexpr):
+    """The four words of the Philox blocks ``hi * 2**32 + lo`` with third counter word ``c2``."""
     zero = tl.zeros_like(lo)
     return _philox(lo, hi, zero + c2, zero, k0, k1)
 
@@ -88,6 +87,13 @@ def _words(block, k0, k1, c2: tl.constexpr):
 @triton.jit
 def _pick(w0, w1, w2, w3, lane):
     return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+
+
+@triton.jit
+def _in_order(v0, v1, v2, v3):
+    """``[v0[0], v1[0], v2[0], v3[0], v0[1], ...]``: block k's four values at 4k..4k+3,
+    each thread holding its blocks' four (so its stores are four contiguous elements)."""
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [4 * v0.shape[0]])
 
 
 @triton.jit
@@ -99,6 +105,18 @@ def _float_param(bits, CDT: tl.constexpr):
 def _open_unit(w, CDT: tl.constexpr):
     """``(w + 1) * 2**-32`` in ``(0, 1]``."""
     return (w.to(tl.int64) + 1).to(CDT) * _TWO_POW_MINUS_32
+
+
+@triton.jit
+def _box_muller(w_even, w_odd, CDT: tl.constexpr):
+    """The cos and sin normals of the word pairs ``(w_even, w_odd)`` (before mean and std)."""
+    r2 = tl.log(_open_unit(w_even, CDT)) * -2.0
+    if CDT == tl.float32:
+        radius = tl.sqrt_rn(r2)  # IEEE-rounded (tl.sqrt may approximate on a GPU)
+    else:
+        radius = tl.sqrt(r2)  # float64 sqrt is IEEE-rounded
+    angle = w_odd.to(CDT) * 2.3283064365386963e-10 * tl.full([], 6.283185307179586, CDT)
+    return radius * tl.cos(angle), radius * tl.sin(angle)
 
 
 @triton.jit
@@ -123,116 +141,142 @@ def _widen(v):
 
 
 @triton.jit
-def _values(
-    w, w_even, w_odd, w_high, lane, flat, valid, out_ptr, mask_ptr, in_ptr,
+def _emit(
+    w, w_high, z, out_ptr, mask_ptr, in_ptr, at, valid,
     a_bits, b_bits, i_a, i_b,
     OP: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, BIG: tl.constexpr, MOD: tl.constexpr,
 ):
-    """Transform stream words into the op's values and store them at ``flat``."""
+    """Op ``OP``'s values of the stream words ``w`` (``w_high``: the ``c2 = 1`` words;
+    ``z``: the Box-Muller normals), stored at element offsets ``at`` of the pointers where
+    ``valid`` (None: everywhere, which lets the stores vectorize)."""
     ODT: tl.constexpr = out_ptr.dtype.element_ty
-    if OP == 0:  # uniform in [a, b)
+    if OP == 0:  # uniform in [a, b); i_a: the first output value at or above b (bits)
         low = _float_param(a_bits, CDT)
-        high64 = _float_param(b_bits, tl.float64)
-        span = (high64 - _float_param(a_bits, tl.float64)).to(CDT)
+        span = (_float_param(b_bits, tl.float64) - _float_param(a_bits, tl.float64)).to(CDT)
         u = (w >> (32 - BITS)).to(CDT) * (1.0 / (1 << BITS))
         v = _to(u * span + low, ODT)
-        v = tl.where(_widen(v) >= high64, _to(low, ODT), v)
-        tl.store(out_ptr + flat, v, mask=valid)
-    elif OP == 1:  # normal(mean=a, std=b), Box-Muller on the lane's word pair
-        r2 = tl.log(_open_unit(w_even, CDT)) * -2.0
-        if CDT == tl.float32:
-            radius = tl.sqrt_rn(r2)  # IEEE-rounded (tl.sqrt may approximate on a GPU)
-        else:
-            radius = tl.sqrt(r2)  # float64 sqrt is IEEE-rounded
-        angle = w_odd.to(CDT) * 2.3283064365386963e-10 * tl.full([], 6.283185307179586, CDT)
-        z = radius * tl.where((lane & 1) == 0, tl.cos(angle), tl.sin(angle))
-        tl.store(out_ptr + flat, _to(z * _float_param(b_bits, CDT) + _float_param(a_bits, CDT), ODT), mask=valid)
+        v = tl.where(v.to(CDT) >= _float_param(i_a, CDT), _to(low, ODT), v)
+        tl.store(out_ptr + at, v, mask=valid)
+    elif OP == 1:  # normal(mean=a, std=b)
+        tl.store(out_ptr + at, _to(z * _float_param(b_bits, CDT) + _float_param(a_bits, CDT), ODT), mask=valid)
     elif OP == 2:  # exponential, a = -1 / lambd
-        tl.store(out_ptr + flat, _to(tl.log(_open_unit(w, CDT)) * _float_param(a_bits, CDT), ODT), mask=valid)
+        tl.store(out_ptr + at, _to(tl.log(_open_unit(w, CDT)) * _float_param(a_bits, CDT), ODT), mask=valid)
     elif OP == 3:  # bernoulli, i_a = ceil(p * 2**32)
-        tl.store(out_ptr + flat, _to(w.to(tl.int64) < i_a, ODT), mask=valid)
+        tl.store(out_ptr + at, _to(w.to(tl.int64) < i_a, ODT), mask=valid)
     elif OP == 4:  # bernoulli with probabilities in in_ptr, compared exactly in float64
-        p = _widen(tl.load(in_ptr + flat, mask=valid, other=0))
-        tl.store(out_ptr + flat, _to((w.to(tl.float64) * 2.3283064365386963e-10) < p, ODT), mask=valid)
+        p = _widen(tl.load(in_ptr + at, mask=valid))
+        tl.store(out_ptr + at, _to((w.to(tl.float64) * 2.3283064365386963e-10) < p, ODT), mask=valid)
     elif OP == 5:  # dropout of in_ptr, i_a = ceil((1 - p) * 2**32), a = the scale
         keep = w.to(tl.int64) < i_a
-        x = tl.load(in_ptr + flat, mask=valid, other=0).to(CDT)
+        x = tl.load(in_ptr + at, mask=valid).to(CDT)
         y = x * keep.to(CDT) * _float_param(a_bits, CDT)
-        tl.store(out_ptr + flat, _to(y, ODT), mask=valid)
-        tl.store(mask_ptr + flat, keep, mask=valid)
+        tl.store(out_ptr + at, _to(y, ODT), mask=valid)
+        tl.store(mask_ptr + at, keep, mask=valid)
     elif OP == 6:  # integers in [i_a, i_a + i_b)
         v = w.to(tl.int64)
         if BIG:
             v = (w_high & 0x7FFFFFFF).to(tl.int64) * 4294967296 + v
         if MOD:
             v = v % i_b
-        tl.store(out_ptr + flat, _to(v + i_a, ODT), mask=valid)
+        tl.store(out_ptr + at, _to(v + i_a, ODT), mask=valid)
     else:  # raw 64-bit values
         v = (w_high.to(tl.uint64) << 32) | w.to(tl.uint64)
-        tl.store(out_ptr + flat, v.to(tl.int64, bitcast=True), mask=valid)
+        tl.store(out_ptr + at, v.to(tl.int64, bitcast=True), mask=valid)
 
 
-# Every scalar is typed int64 by annotation and no pointer is specialized on its alignment,
-# so a launch's compiled variant depends only on its constexprs and tensor dtypes, never
-# on argument values: an offset crossing 2**31 mid-training does not compile a new kernel,
-# and :func:`~compile_rng.stream.accelerator_ops.specializations` can list every variant. Alignment buys nothing here: element
-# addresses start at a runtime lane offset, so every load and store is scalar (same SASS
-# with and without it, checked on sm_90).
+# Every scalar is typed by annotation and the pointers are specialized only on their
+# 16-byte alignment, which :func:`plan` guarantees: a launch's compiled variant depends only
+# on its constexprs and tensor dtypes (an offset crossing 2**31 mid-training does not
+# compile a new kernel), and :func:`~compile_rng.stream.accelerator_ops.specializations`
+# can list every variant. The alignment is what lets a whole tile's stores vectorize.
 @triton.jit(
-    do_not_specialize=["offset", "rows", "inner", "inner_stride", "s1", "s2", "t0", "t1", "t2",
-                       "col_programs", "a_bits", "b_bits", "i_a", "i_b"],
-    do_not_specialize_on_alignment=["out_ptr", "mask_ptr", "in_ptr", "key_ptr"],
+    do_not_specialize=["offset", "first", "inner", "inner_stride", "row0", "s1", "s2", "t0", "t1", "t2",
+                       "a_bits", "b_bits", "i_a", "i_b"],
+    do_not_specialize_on_alignment=["key_ptr"],
 )
 def _stream_kernel(
-    out_ptr, mask_ptr, in_ptr, key_ptr, offset: tl.int64,
-    rows: tl.int64, inner: tl.int64, inner_stride: tl.int64, s1: tl.int64, s2: tl.int64,
-    t0: tl.int64, t1: tl.int64, t2: tl.int64, col_programs: tl.int64,
+    out_ptr, mask_ptr, in_ptr, key_ptr, offset: tl.int64, first: tl.int64,
+    inner: tl.int64, inner_stride: tl.int64, row0: tl.int32, s1: tl.int32, s2: tl.int32,
+    t0: tl.int64, t1: tl.int64, t2: tl.int64,
     a_bits: tl.int64, b_bits: tl.int64, i_a: tl.int64, i_b: tl.int64,
     OP: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, BIG: tl.constexpr, MOD: tl.constexpr,
     HIGH: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // col_programs
-    col = pid % col_programs
+    # The grid is (programs per row, rows): no division for the common layouts (a stream,
+    # or rows of one outer dim); 32-bit program arithmetic, 64-bit element offsets and
+    # counters computed once per program, and per element only 32-bit offsets.
+    col = tl.program_id(0)
+    row = row0 + tl.program_id(1)
+    if s1 == 1:  # at most one outer dim
+        row_rel = row.to(tl.int64) * t2
+    else:
+        i2 = row % s2
+        i1 = (row // s2) % s1
+        i0 = row // (s2 * s1)
+        row_rel = i0.to(tl.int64) * t0 + i1.to(tl.int64) * t1 + i2.to(tl.int64) * t2
     seed = tl.load(key_ptr).to(tl.uint64, bitcast=True)
     base = tl.load(key_ptr + 1).to(tl.uint64, bitcast=True)
     k0 = (seed & _MASK32).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
-    i2 = row % s2
-    i1 = (row // s2) % s1
-    i0 = row // (s2 * s1)
-    row_rel = i0 * t0 + i1 * t1 + i2 * t2
     start = base + offset.to(tl.uint64) + row_rel.to(tl.uint64)  # an int cast wraps mod 2**64
+    row_at = first + row.to(tl.int64) * inner  # the row's first element in the tensors
     if CONTIG:
         # Program ``col`` owns Philox blocks [col * BLOCK, (col + 1) * BLOCK) of the row's
-        # stream; block k's lane l is element 4k + l - lane0 of the row.
-        k = col * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        block = ((start >> 2) + k.to(tl.uint64)) & 0x3FFFFFFFFFFFFFFF  # counters wrap at 2**64
-        w0, w1, w2, w3 = _words(block, k0, k1, 0)
-        lane = tl.arange(0, 4)[None, :]
-        j = k[:, None] * 4 + lane - (start & 3).to(tl.int64)
-        w = _pick(w0[:, None], w1[:, None], w2[:, None], w3[:, None], lane)
-        w_even = tl.where(lane < 2, w0[:, None], w2[:, None])
-        w_odd = tl.where(lane < 2, w1[:, None], w3[:, None])
+        # stream: block k's lane l is element 4k + l - lane0 of the row. The block number
+        # is carried in two uint32 words (counters wrap at 2**64, blocks at 2**62).
+        TILE: tl.constexpr = 4 * BLOCK
+        first_block = (start >> 2) + (col * BLOCK).to(tl.uint64)
+        lo0 = (first_block & _MASK32).to(tl.uint32)
+        hi0 = ((first_block >> 32) & 0x3FFFFFFF).to(tl.uint32)
+        lo = lo0 + tl.arange(0, BLOCK).to(tl.uint32)
+        hi = (hi0 + (lo < lo0).to(tl.uint32)) & 0x3FFFFFFF
+        w0, w1, w2, w3 = _words(lo, hi, k0, k1, 0)
+        w = _in_order(w0, w1, w2, w3)
         w_high = w
         if HIGH:
-            h0, h1, h2, h3 = _words(block, k0, k1, 1)
-            w_high = _pick(h0[:, None], h1[:, None], h2[:, None], h3[:, None], lane)
+            h0, h1, h2, h3 = _words(lo, hi, k0, k1, 1)
+            w_high = _in_order(h0, h1, h2, h3)
+        z = w
+        if OP == 1:
+            z0, z1 = _box_muller(w0, w1, CDT)
+            z2, z3 = _box_muller(w2, w3, CDT)
+            z = _in_order(z0, z1, z2, z3)
+        j0 = col.to(tl.int64) * TILE - (start & 3).to(tl.int64)  # the tile's first element in the row
+        at = row_at + j0
+        a = tl.arange(0, TILE)
+        if (j0 >= 0) & (j0 + TILE <= inner) & (at % 4 == 0):
+            # A whole tile, its groups of four aligned: unmasked stores, vectorized.
+            at = tl.multiple_of(at, 4)
+            _emit(w, w_high, z, out_ptr + at, mask_ptr + at, in_ptr + at, a, None,
+                  a_bits, b_bits, i_a, i_b, OP, BITS, CDT, BIG, MOD)
+        else:
+            lo_j = tl.maximum(-j0, 0).to(tl.int32)
+            hi_j = tl.minimum(inner - j0, TILE).to(tl.int32)
+            _emit(w, w_high, z, out_ptr + at, mask_ptr + at, in_ptr + at, a, (a >= lo_j) & (a < hi_j),
+                  a_bits, b_bits, i_a, i_b, OP, BITS, CDT, BIG, MOD)
     else:
-        j = col * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        # Each element computes its own block and takes its lane.
+        a = tl.arange(0, BLOCK)
+        j = col.to(tl.int64) * BLOCK + a.to(tl.int64)
         n = start + (j * inner_stride).to(tl.uint64)
         lane = (n & 3).to(tl.int32)
-        w0, w1, w2, w3 = _words(n >> 2, k0, k1, 0)
+        blk = (n >> 2) & 0x3FFFFFFFFFFFFFFF
+        lo = (blk & _MASK32).to(tl.uint32)
+        hi = (blk >> 32).to(tl.uint32)
+        w0, w1, w2, w3 = _words(lo, hi, k0, k1, 0)
         w = _pick(w0, w1, w2, w3, lane)
-        w_even = tl.where(lane < 2, w0, w2)
-        w_odd = tl.where(lane < 2, w1, w3)
         w_high = w
         if HIGH:
-            h0, h1, h2, h3 = _words(n >> 2, k0, k1, 1)
+            h0, h1, h2, h3 = _words(lo, hi, k0, k1, 1)
             w_high = _pick(h0, h1, h2, h3, lane)
-    valid = (j >= 0) & (j < inner)
-    _values(w, w_even, w_odd, w_high, lane, row * inner + j, valid, out_ptr, mask_ptr, in_ptr,
-            a_bits, b_bits, i_a, i_b, OP, BITS, CDT, BIG, MOD)
+        z = w
+        if OP == 1:
+            z_cos, z_sin = _box_muller(tl.where(lane < 2, w0, w2), tl.where(lane < 2, w1, w3), CDT)
+            z = tl.where((lane & 1) == 0, z_cos, z_sin)
+        at = row_at + col.to(tl.int64) * BLOCK
+        hi_j = tl.minimum(inner - col.to(tl.int64) * BLOCK, BLOCK).to(tl.int32)
+        _emit(w, w_high, z, out_ptr + at, mask_ptr + at, in_ptr + at, a, a < hi_j,
+              a_bits, b_bits, i_a, i_b, OP, BITS, CDT, BIG, MOD)
 
 
 # --- host side --------------------------------------------------------------------------
@@ -243,6 +287,15 @@ _TL_CDT = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _bits(x: float) -> int:
     """The float64 bit pattern of ``x`` as a signed int64."""
     return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _first_at_or_above(x: float, dtype: torch.dtype) -> float:
+    """The least ``dtype`` value at or above ``x`` (inf if none): a uniform value rounded
+    to ``dtype`` is ``>= x`` exactly when it is ``>=`` this, compared without widening."""
+    t = torch.tensor(x, dtype=torch.float64).to(dtype)
+    if t.item() < x:
+        t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+    return t.item()
 
 
 def collapse(size: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
@@ -263,7 +316,7 @@ def collapse(size: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int
 class Launch:
     """One launch of :func:`_stream_kernel`: what :func:`launch` passes it."""
 
-    grid: tuple[int]
+    grid: tuple[int, int]
     args: tuple[Any, ...]
     constexprs: tuple[tuple[str, Any], ...]
 
@@ -313,21 +366,28 @@ def plan(
         ("OP", op), ("BITS", stream.UNIFORM_BITS.get(dtype, 24)), ("CDT", _TL_CDT[stream.compute_dtype(dtype)]),
         ("BIG", big), ("MOD", mod), ("HIGH", op == RANDOM_BITS or big), ("CONTIG", contig), ("BLOCK", block),
     )
-    flat = [t.view(-1) if t is not None else None for t in (out, mask, source)]
+    out_f = out.view(-1)
+    mask_f = mask.view(-1) if mask is not None else out_f
+    # The kernel's pointers are specialized on 16-byte alignment (the vectorized stores):
+    # a source that starts mid-storage is copied, so every launch meets the one variant.
+    src_f = source.view(-1) if source is not None else out_f
+    if src_f.data_ptr() % 16:
+        src_f = src_f.clone()
+    if op == UNIFORM:
+        i_a = _bits(_first_at_or_above(b, out.dtype))
     chunk = rows * inner
     launches = []
-    # Dims beyond the kernel's: one launch per leading index, each on a contiguous slice.
+    # Dims beyond the kernel's: one launch per leading index, each on its slice of the
+    # rows; and a launch per _GRID_ROWS rows (a grid's second dim holds no more).
     for n, idx in enumerate(itertools.product(*(range(s) for s, _ in lead))):
         lead_rel = sum(i * st for i, (_, st) in zip(idx, lead))
-        at = n * chunk
-        out_v, mask_v, src_v = [t[at:at + chunk] if t is not None else None for t in flat]
-        args = (
-            out_v, mask_v if mask_v is not None else out_v, src_v if src_v is not None else out_v, key,
-            stream.as_int64(offset + lead_rel), rows, inner, inner_stride,
-            outer[1][0], outer[2][0], outer[0][1], outer[1][1], outer[2][1], col_programs,
-            _bits(a), _bits(b), stream.as_int64(i_a), stream.as_int64(i_b),
-        )
-        launches.append(Launch((rows * col_programs,), args, constexprs))
+        for row0 in range(0, rows, _GRID_ROWS):
+            args = (
+                out_f, mask_f, src_f, key, stream.as_int64(offset + lead_rel), n * chunk, inner, inner_stride,
+                row0, outer[1][0], outer[2][0], outer[0][1], outer[1][1], outer[2][1],
+                _bits(a), _bits(b), stream.as_int64(i_a), stream.as_int64(i_b),
+            )
+            launches.append(Launch((col_programs, min(rows - row0, _GRID_ROWS)), args, constexprs))
     return launches
 
 
