@@ -113,6 +113,17 @@ def aten_ops_per_step(c: Config) -> int:
     return Count.n
 
 
+def step_overhead(step: dict, eager: dict, ops: int) -> str:
+    """What a step adds to the eager run (rows with ``median_s`` and ``min_s``): a cost
+    per aten op, a saving, or within noise - the two runs' own spread (median - min),
+    which a smaller difference either way does not exceed."""
+    extra = step["median_s"] - eager["median_s"]
+    noise = (step["median_s"] - step["min_s"]) + (eager["median_s"] - eager["min_s"])
+    if abs(extra) <= noise:
+        return f"within noise ({extra * 1e3:+.2f} ms/step against a spread of {noise * 1e3:.2f} ms)"
+    return f"{abs(extra) / ops * 1e6:.1f} us per aten op {'more' if extra > 0 else 'less'} than eager"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=256)
@@ -157,12 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     for threads in args.threads:
         if {f"{threads}/eager-step", f"{threads}/eager"} <= set(rows):
             step, eager = rows[f"{threads}/eager-step"], rows[f"{threads}/eager"]
-            extra = step["median_s"] - eager["median_s"]
-            # the two runs' own spread (median - min): a smaller difference is not a cost
-            noise = (step["median_s"] - step["min_s"]) + (eager["median_s"] - eager["min_s"])
-            cost = f"{extra / ops * 1e6:.1f} us per aten op" if extra > noise else (
-                f"within noise ({extra * 1e3:+.2f} ms/step against a spread of {noise * 1e3:.2f} ms)")
-            print(f"  eager code inside compile_rng.step, {threads} thread(s): {cost} "
+            print(f"  eager code inside compile_rng.step, {threads} thread(s): {step_overhead(step, eager, ops)} "
                   f"({ops} aten ops per forward + backward)")
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -285,3 +285,22 @@ def test_rows_of_contiguous_streams_take_the_vectorized_kernel(monkeypatch):
     for got, generic in zip(fast, programs()):
         assert torch.equal(got, generic)
     assert not calls
+
+
+def test_an_output_is_allocated_once(monkeypatch):
+    """The functional ops allocate their output where the C kernel fills it and nowhere
+    else: a buffer made and dropped for another dtype or layout would stay reserved in an
+    accelerator's caching allocator."""
+    from compile_rng import ops as ops_module
+
+    made = []
+    stock_empty = ops_module._empty
+    monkeypatch.setattr(ops_module, "_empty", lambda *a: made.append(a[1:]) or stock_empty(*a))
+    key = ops.make_key(3, 0)
+    ops.uniform(key, 0, [64], [1], 0.0, 1.0, torch.float32)
+    assert made == [([64], torch.float32)]  # the C kernel's output
+    made.clear()
+    for dtype in (torch.float64, torch.bfloat16):  # the general path makes its own
+        assert ops.uniform(key, 0, [64], [1], 0.0, 1.0, dtype).dtype == dtype
+    assert ops.bernoulli(key, 0, [8, 8], [1, 8], 0.5, torch.bfloat16).dtype == torch.bfloat16  # a transposed window
+    assert made == []

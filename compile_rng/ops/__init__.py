@@ -130,8 +130,11 @@ def uniform(
 ) -> torch.Tensor:
     """Uniform values in ``[low, high)``."""
     checks.check_float("uniform", dtype)
-    out = _empty(key, size, dtype)  # a fresh tensor is filled in place where the C kernel can
-    if uniform_into(out, key, offset, size, strides, low, high, dtype):
+    # Allocated only where the C kernel fills it: a caching allocator would keep a dropped
+    # buffer reserved beside the one the general path makes.
+    if key.device.type == "cpu" and _uniform_fast(size, strides, high, dtype):
+        out = _empty(key, size, dtype)
+        _fast(FAST_UNIFORM, key, offset, size, strides, out=out, low=low, high=high)
         return out
 
     def compute(off, sz):
@@ -156,10 +159,16 @@ def uniform_into(out: torch.Tensor, key: torch.Tensor, offset: int, size: Sequen
     """Eager ``uniform`` written straight into ``out`` when the C kernel can (float32,
     contiguous, a layout :func:`_fast_layout` accepts); returns whether it did. Same
     values as :func:`uniform`."""
-    if not (dtype == torch.float32 and _writable(out, size) and _fast_layout(size, strides) and fast_uniform_ok(high)):
+    if not (_writable(out, size) and _uniform_fast(size, strides, high, dtype)):
         return False
     _fast(FAST_UNIFORM, key, offset, size, strides, out=out, low=low, high=high)
     return True
+
+
+def _uniform_fast(size: Sequence[int], strides: Sequence[int], high: float, dtype: torch.dtype) -> bool:
+    """Whether the C kernel computes this uniform (float32, a layout it takes, a bound it
+    handles)."""
+    return dtype == torch.float32 and _fast_layout(size, strides) and fast_uniform_ok(high)
 
 
 # --- normal ----------------------------------------------------------------------------
@@ -232,8 +241,9 @@ def bernoulli(
     p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """1 with probability ``p``, else 0, in ``dtype``."""
-    out = _empty(key, size, dtype)  # a fresh tensor is filled in place where the C kernel can
-    if bernoulli_into(out, key, offset, size, strides, p, dtype):
+    if key.device.type == "cpu" and _fast_layout(size, strides):  # allocated only where the C kernel fills it
+        out = _empty(key, size, dtype)
+        bernoulli_into(out, key, offset, size, strides, p, dtype)
         return out
 
     def compute(off, sz):
