@@ -18,8 +18,9 @@ compile_rng's CPU stream on exit                            leaves the training 
                                                             init helpers ask it before seeding
 ``DTensor._op_dispatcher._custom_op_handlers`` for the      DTensor runs those ops without a region
 in-place ops DTensor leaves unrouted (``exponential_``...)
-``_dispatch.run_dtensor_rng_op`` wrapped: with the          DTensor's accelerator branch runs random
-tracker's offsets it runs the op in the tracker's region    ops through it, not through the region
+``_dispatch.run_dtensor_rng_op`` wrapped (2.12+): with     DTensor's accelerator branch runs random
+the tracker's offsets it runs the op in the tracker's       ops through it, not through the region
+region                                                      (2.11 has no such branch)
 ``DTensor.to_local`` wrapped: inside compile_rng's eager    a plain TP plan's eager code draws on
 stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager.eager_shards`)
 ==========================================================  ========================================
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 
 from compile_rng import stream
-from compile_rng._torch import dtensor_internals, dynamo_internals
+from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
 from compile_rng.eager import trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
@@ -61,8 +62,8 @@ from compile_rng.stream import state
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
-#: (pyproject's ``torch>=2.13,<2.16``).
-SUPPORTED_TORCH = ((2, 13), (2, 16))
+#: (pyproject's ``torch>=2.11,<2.16``).
+SUPPORTED_TORCH = ((2, 11), (2, 16))
 
 
 def check_torch_version(version: str) -> None:
@@ -104,7 +105,8 @@ def install() -> None:
         hook = _stock["hook"] = _manual_seed_hook(_stock["manual_seed"])
         torch.random.manual_seed = hook
         torch.manual_seed = hook
-        torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
+        if core_internals.trunc_normal_redraws():  # 2.12+; 2.11's draws once, served as it is
+            torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
         torch.random.fork_rng = _fork_rng_hook(_stock["fork_rng"])
     # The tracker module imports DTensor; whichever of the two is imported first, the
     # tracker is installed once its module is complete.
@@ -132,7 +134,8 @@ def uninstall() -> None:
 
         dtensor_internals.set_rng_tracker(_stock["rng_tracker"])
         dtensor_internals.dtensor_random().is_rng_supported_mesh = _stock["is_rng_supported_mesh"]
-        dtensor_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
+        if "run_dtensor_rng_op" in _stock:
+            dtensor_internals.dtensor_dispatch().run_dtensor_rng_op = _stock["run_dtensor_rng_op"]
         from torch.distributed.tensor import DTensor
 
         DTensor.to_local = _stock["to_local"]
@@ -199,10 +202,12 @@ def _install_tracker(tracker: ModuleType) -> None:
         dispatch = dtensor_internals.dtensor_dispatch()
         _stock.update(
             rng_tracker=dtensor_internals.rng_tracker(), is_rng_supported_mesh=dtensor_random.is_rng_supported_mesh,
-            run_dtensor_rng_op=dispatch.run_dtensor_rng_op, to_local=DTensor.to_local,
+            to_local=DTensor.to_local,
         )
         dtensor_random.is_rng_supported_mesh = _rng_supported_mesh(dtensor_random.is_rng_supported_mesh, tracker)
-        dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
+        if dtensor_internals.dtensor_dispatch_has_rng_op():  # 2.12+; 2.11 uses the region on every device
+            _stock["run_dtensor_rng_op"] = dispatch.run_dtensor_rng_op
+            dispatch.run_dtensor_rng_op = tracker.run_dtensor_rng_op_hook(dispatch.run_dtensor_rng_op)
         DTensor.to_local = _to_local_hook(DTensor.to_local)
     dtensor_internals.set_rng_tracker(tracker.TRACKER)
     from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import reference as ref
 import torch
 import torch.distributed as dist
@@ -74,6 +75,15 @@ def fake_rank(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+#: torch 2.11's DTensor has no accelerator branch: it runs every random op, on any device,
+#: in the tracker's region (the branch and its ``run_dtensor_rng_op`` came in 2.12).
+HAS_ACCELERATOR_BRANCH = hasattr(__import__("torch.distributed.tensor._dispatch").distributed.tensor._dispatch,
+                                 "run_dtensor_rng_op")
+needs_accelerator_branch = pytest.mark.skipif(
+    not HAS_ACCELERATOR_BRANCH, reason="this torch's DTensor has no accelerator branch (run_dtensor_rng_op, torch 2.12+)"
+)
 
 
 def accelerator_branch(x: DTensor, op, *local_args):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dtensor_reference import accelerator_branch, ceil4, fake_rank, local_zeros
+from dtensor_reference import accelerator_branch, ceil4, fake_rank, local_zeros, needs_accelerator_branch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
@@ -30,6 +30,7 @@ WORLD = 4
 aten = torch.ops.aten
 
 
+@needs_accelerator_branch
 @pytest.mark.parametrize("op", ["uniform_", "native_dropout"])
 def test_the_accelerator_branch_runs_in_the_trackers_region(op):
     for rank in range(WORLD):
@@ -54,6 +55,7 @@ def test_the_accelerator_branch_runs_in_the_trackers_region(op):
             assert got_state == want_state == (7, 60)  # ceil4(10 * 6) on every rank
 
 
+@needs_accelerator_branch
 def test_the_hook_leaves_other_offsets_to_torch_and_uninstall_restores_it():
     calls = []
     hook = tracker.run_dtensor_rng_op_hook(lambda *a, **k: calls.append((a, k)) or "stock")

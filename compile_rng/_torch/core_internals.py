@@ -47,6 +47,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "traced_graph",
     "tree_leaves",
     "tree_map",
+    "trunc_normal_redraws",
 ]
 
 
@@ -118,6 +119,17 @@ def is_run_with_rng_state(func: Any) -> bool:
     its recomputation replays torch's generator state (``torch._prims.rng_prims``, private;
     2.13.0, 2.15.0)."""
     return higher_order_op_name(func) == "run_with_rng_state"
+
+
+def trunc_normal_redraws() -> bool:
+    """Whether torch's ``nn.init.trunc_normal_`` is the redraw loop that
+    :mod:`compile_rng.eager.trunc_normal` reproduces (``_no_grad_trunc_normal_``: 2.12 to
+    2.15). torch 2.11's draws once (``uniform_``, then ``erfinv_``), which compile_rng's
+    stream serves as it is, so there compile_rng leaves it stock: replacing it would
+    change the values of plain tensors."""
+    import inspect
+
+    return "while" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)
 
 
 def lazy_attributes(module: str, table: dict[str, tuple[str, str | None, str]]) -> Callable[[str], Any]:

@@ -30,6 +30,7 @@ from compile_rng._torch.dynamo_internals import disable_dynamo
 __all__ = [  # and the lazy names of _LAZY, added below
     "distribute_region",
     "dtensor_dispatch",
+    "dtensor_dispatch_has_rng_op",
     "dtensor_dispatch_unhandled",
     "dtensor_op_dispatcher",
     "dtensor_op_handlers",
@@ -126,6 +127,13 @@ def dtensor_dispatch() -> Any:
     import torch.distributed.tensor._dispatch as module
 
     return module
+
+
+def dtensor_dispatch_has_rng_op() -> bool:
+    """Whether DTensor's dispatch has the accelerator branch of :func:`dtensor_dispatch`
+    (2.12-2.15). torch 2.11 has none: it runs every random op, on any device, inside the
+    tracker's region, which compile_rng's tracker serves on every device already."""
+    return hasattr(dtensor_dispatch(), "run_dtensor_rng_op")
 
 
 def dtensor_op_dispatcher() -> Any:
