@@ -46,18 +46,18 @@ copy_install() {
     printf '[torch_dynamo_backends]\ncompile_rng = compile_rng.compiled.backend:compile_rng_backend\n' \
         >"$site/compile_rng-0.1.0.dist-info/entry_points.txt" && echo "$site"
 }
-if ! timeout 120 "${PY[@]}" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
+if ! timeout 90 "${PY[@]}" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
     SITE=$(copy_install) && export PYTHONPATH=$SITE && PY+=(-P)  # -P: not the checkout's package
     say "- install: pip failed ($(tail -1 "$OUT/install.log")); copied to $SITE instead"
 else
     say "- install: pip install -e . (no dependencies, no index)"
 fi
 phase import 60 "${PY[@]}" -c "import compile_rng, torch; print('compile_rng imported on torch', torch.__version__)"
-phase tests 240 "${PY[@]}" -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_kernels.py \
+phase tests 180 "${PY[@]}" -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_kernels.py \
     tests/test_stream_conformance.py tests/test_accelerator_path.py
-phase bench 180 "${PY[@]}" benchmarks/bench_gpu.py --json "$OUT/bench-gpu.json"
+phase bench 200 "${PY[@]}" benchmarks/bench_gpu.py --json "$OUT/bench-gpu.json"
 if command -v ncu >/dev/null; then
-    phase ncu 90 ncu --kernel-name regex:_stream_kernel --launch-count 3 --clock-control none \
+    phase ncu 60 ncu --kernel-name regex:_stream_kernel --launch-count 3 --clock-control none \
         --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,dram__bytes.sum,gpu__time_duration.sum \
         "${PY[@]}" benchmarks/bench_gpu.py --ncu-launches
 fi
