@@ -127,6 +127,42 @@ def graph_rows(n: int) -> list[dict]:
     return rows
 
 
+def host_costs(n: int = 4096, reps: int = 300) -> str:
+    """Microseconds of host time per call of a small draw (``n`` float32 elements: the GPU
+    waits on the host), split into the layers a compile_rng draw passes: the custom op's
+    dispatch, the op's argument handling and launch plan, and Triton's launch."""
+    import time
+
+    from compile_rng import ops
+    from compile_rng.stream import accelerator_ops as ao, triton_kernels as tk
+
+    dev = torch.device("cuda")
+    key, out = ops.make_key(1, 0, dev), torch.empty(n, device=dev)
+    steps = tk.plan(tk.UNIFORM, out, key, 0, [1], a=0.0, b=1.0)
+    (step,) = steps
+    constexprs = dict(step.constexprs)
+
+    def per_call(fn) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps * 1e6
+
+    rows = {
+        "torch uniform_": lambda: out.uniform_(),
+        "torch.empty": lambda: torch.empty(n, device=dev),
+        "compile_rng ops.uniform (custom op)": lambda: ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32),
+        "accelerator_ops.uniform (no dispatch)": lambda: ao.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32),
+        "triton_kernels.plan only": lambda: tk.plan(tk.UNIFORM, out, key, 0, [1], a=0.0, b=1.0),
+        "Triton launch only": lambda: tk._stream_kernel[step.grid](*step.args, **constexprs, **tk.OPTIONS),
+    }
+    return "\n".join(f"  {name:<40}{per_call(fn):8.1f} us/call" for name, fn in rows.items())
+
+
 def ncu_launches(n: int) -> None:
     """One launch each of the uniform, normal and dropout kernels (float32, ``n``
     elements, a plain stream), for Nsight Compute to count what they execute."""
@@ -179,6 +215,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=64 << 20)
     parser.add_argument("--json", default=None, help="write every timing here")
+    parser.add_argument("--host", action="store_true",
+                        help="only the host's time per call of small draws, split into its parts")
     parser.add_argument("--ncu-launches", action="store_true",
                         help="launch uniform, normal and dropout (float32) once each, for a profiler")
     args = parser.parse_args()
@@ -187,6 +225,9 @@ def main() -> None:
         sys.exit(0)
     if args.ncu_launches:
         ncu_launches(args.numel)
+        return
+    if args.host:
+        print(host_costs())
         return
     eager = [row for dtype in (torch.float32, torch.bfloat16) for row in eager_rows(args.numel, dtype)]
     graphs = graph_rows(args.numel)

@@ -56,6 +56,7 @@ phase import 60 "${PY[@]}" -c "import compile_rng, torch; print('compile_rng imp
 phase tests 180 "${PY[@]}" -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_kernels.py \
     tests/test_stream_conformance.py tests/test_accelerator_path.py
 phase bench 200 "${PY[@]}" benchmarks/bench_gpu.py --json "$OUT/bench-gpu.json"
+phase host 60 "${PY[@]}" benchmarks/bench_gpu.py --host
 if command -v ncu >/dev/null; then
     phase ncu 60 ncu --kernel-name regex:_stream_kernel --launch-count 3 --clock-control none \
         --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,dram__bytes.sum,gpu__time_duration.sum \
@@ -70,6 +71,10 @@ say '```'
 say "## throughput (bench_gpu.py)"
 say '```'
 tee -a "$REPORT" <"$OUT/bench.log" >/dev/null
+say '```'
+say "## host time per call of a small draw (bench_gpu.py --host)"
+say '```'
+tee -a "$REPORT" <"$OUT/host.log" >/dev/null
 say '```'
 if [ -f "$OUT/ncu.log" ]; then
     say "## Nsight Compute (executed instructions per element: smsp__thread_inst_executed / elements)"

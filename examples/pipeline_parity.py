@@ -359,7 +359,10 @@ class Pipeline:
         step = compile_rng.step(tokens.shape[0], data_parallel=self.dp_mesh, names=self.stages,
                                 microbatches=self.microbatches)
         with step if named else contextlib.nullcontext():
-            self.schedule.step(tokens, target=targets, losses=losses)
+            # the inputs go to the first stage only (torch 2.11's shape inference refuses
+            # them on another stage's rank; later releases ignore them there)
+            inputs = (tokens,) if any(s.is_first for s in self.stages) else ()
+            self.schedule.step(*inputs, target=targets, losses=losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack(losses).mean().detach()

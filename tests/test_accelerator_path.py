@@ -170,19 +170,21 @@ def test_the_fused_lowerings_cuda_code_is_bitwise_and_compiles_for_sm90(monkeypa
     path = tmp_path / "generated_kernel.py"
     path.write_text(fake_cuda_inductor.jit_source(source))
 
-    # In Triton's interpreter (this process set TRITON_INTERPRET=1), bitwise.
+    # Bitwise: in Triton's interpreter (conftest set TRITON_INTERPRET=1 where there is no
+    # GPU), or on the GPU.
     spec = importlib.util.spec_from_file_location("generated_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     key = ops.make_key(2**63 + 0x5EED, 2**32 - 7)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
-    out, mask = torch.empty(1000), torch.empty(1000, dtype=torch.bool)
-    tensors = {"key_1": key, "x_1": x, "buf0": out, "buf1": mask}
+    out, mask = torch.empty(1000, device=dev), torch.empty(1000, dtype=torch.bool, device=dev)
+    tensors = {"key_1": key.to(dev), "x_1": x.to(dev), "buf0": out, "buf1": mask}
     call = re.search(rf"{name}\.run\((.*?), stream=", code).group(1).split(", ")
     xblock = 1024  # Inductor's usual pointwise block for 1000 elements, 4 warps
     getattr(module, name)[(1,)](*[tensors[a] if a in tensors else int(a) for a in call], XBLOCK=xblock)
     want_out, want_mask = ops.dropout(key, 5, x, [1], 0.3)
-    assert torch.equal(out, want_out) and torch.equal(mask, want_mask)
+    assert torch.equal(out.cpu(), want_out) and torch.equal(mask.cpu(), want_mask)
 
     # Ahead of time for sm_90, in a process without the interpreter.
     meta = fake_cuda_inductor.triton_meta(source)

@@ -106,25 +106,25 @@ def test_uninstall_gives_torch_back_and_install_restores():
 
 
 def test_an_unsupported_torch_is_refused_before_anything_changes():
-    """On torch 2.11 (the image of the GPU machine lent once) installing broke torch's own
-    ``import torch.distributed.fsdp``; outside the checked releases importing compile_rng
-    raises ImportError naming the range, and torch stays stock."""
+    """Outside the checked releases (2.11-2.15) importing compile_rng raises ImportError
+    naming the range, and torch stays stock (a release whose private modules differ could
+    break torch's own imports, as 2.11 did before compile_rng handled its layout)."""
     assert _fresh(
         """
         import torch
         from torch.torch_version import TorchVersion
         stock = torch.manual_seed
-        torch.__version__ = TorchVersion("2.11.0+cu130")
+        torch.__version__ = TorchVersion("2.10.0+cu128")
         try:
             import compile_rng
         except ImportError as e:
-            print("refused:", "2.13 to 2.15" in str(e) and "2.11.0+cu130" in str(e))
+            print("refused:", "2.11 to 2.15" in str(e) and "2.10.0+cu128" in str(e))
         import torch.distributed.fsdp, torch.distributed.tensor
         print("stock:", torch.manual_seed is stock)
         """
     ).split() == ["refused:", "True", "stock:", "True"]
-    for version in ("2.13.0+cpu", "2.14.1", "2.15.0"):
+    for version in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0"):
         installation.check_torch_version(version)
-    for version in ("2.12.1", "2.16.0", "3.0.0"):
-        with pytest.raises(ImportError, match="compile_rng supports torch 2.13 to 2.15"):
+    for version in ("2.10.2", "2.16.0", "3.0.0"):
+        with pytest.raises(ImportError, match="compile_rng supports torch 2.11 to 2.15"):
             installation.check_torch_version(version)

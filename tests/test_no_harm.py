@@ -18,7 +18,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed.tensor._random as dtensor_random
-from dtensor_reference import ceil4, counters, fake_rank, local_zeros, uniform
+from dtensor_reference import ceil4, counters, fake_rank, local_zeros, needs_accelerator_branch, uniform
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -54,6 +54,7 @@ OFFSET_CASES = [
 ]
 
 
+@needs_accelerator_branch
 @pytest.mark.parametrize("shape,placements,rank,expected", OFFSET_CASES)
 def test_accelerator_branch_gets_torchs_offsets_on_meshes_compile_rng_does_not_serve(shape, placements, rank, expected):
     with fake_rank(rank, 4):
@@ -131,7 +132,10 @@ def test_op_handlers_hand_unserved_meshes_to_stock_dispatch(monkeypatch):
 
         monkeypatch.setattr(dtensor_random._rng_tracker, "_distribute_region", refuse)
         assert run_all() == stock
-        assert any(o[0] == "returns" for o in stock.values())
+        # Not vacuous: stock DTensor runs exponential_ where it has a sharding strategy for
+        # it (torch 2.12+); torch 2.11's has none for these ops, and every call raises there.
+        strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+        assert any(o[0] == "returns" for o in stock.values()) == (torch.ops.aten.exponential_.default in strategies)
     assert handlers == mine  # each handler stepped back in after its call
 
 

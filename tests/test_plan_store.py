@@ -120,6 +120,8 @@ def test_filed_symbols_are_renamed_to_the_asking_graphs_inputs(cache_dir):
     assert plan_store.load("missing", {}) is None
 
 
+@pytest.mark.skipif(not hasattr(__import__("torch.distributed.device_mesh").distributed.device_mesh.DeviceMesh,
+                               "_stable_hash"), reason="torch 2.11 lifts no DeviceMesh into graphs (no _stable_hash)")
 def test_the_mesh_cache_key_is_rank_free_inside_compile_rng_compiles_only():
     """Inside the backend's compile a DeviceMesh graph input pickles into Inductor's key
     by its ranks and layout, the same on every rank; outside it, as torch pickles it."""

@@ -7,8 +7,14 @@ import torch
 import torch.distributed as dist
 
 import compile_rng
+from compile_rng._torch import core_internals
 from compile_rng.eager import dispatch_modes
 from compile_rng.launch import spawn
+
+# torch 2.11's trunc_normal_ draws once (uniform_, erfinv_): no loop to reproduce, and
+# compile_rng leaves it stock there (core_internals.trunc_normal_redraws)
+pytestmark = pytest.mark.skipif(not core_internals.trunc_normal_redraws(),
+                                reason="this torch's trunc_normal_ is not the redraw loop (torch 2.11)")
 
 CASES = [  # shape, kwargs: no rejection possible, 3-sigma (a few redraws), 1-sigma (many), narrow, 1-D
     ((64, 48), dict(std=0.02)),

@@ -24,6 +24,7 @@ the scalar reference. Import needs ``triton`` (``pip install compile_rng[gpu]``)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -289,6 +290,7 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
+@functools.lru_cache(maxsize=64)  # a host-side cost on every uniform launch otherwise
 def _first_at_or_above(x: float, dtype: torch.dtype) -> float:
     """The least ``dtype`` value at or above ``x`` (inf if none): a uniform value rounded
     to ``dtype`` is ``>= x`` exactly when it is ``>=`` this, compared without widening."""

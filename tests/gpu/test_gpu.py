@@ -93,17 +93,19 @@ def test_cuda_mesh_follows_torchs_offsets_with_compile_rng_values():
             results = []
             for run in (fn, compiled):
                 compile_rng.manual_seed(11)
-                x = _local_zeros((10, 6), mesh, [Shard(0)])
+                x = _local_zeros((8, 6), mesh, [Shard(0)])
                 results.append(run(x).to_local())
-                assert compile_rng.get_state(CUDA) == (11, 60)
-            x = _local_zeros((10, 6), mesh, [Shard(0)])
+                assert compile_rng.get_state(CUDA) == (11, 48)
+            x = _local_zeros((8, 6), mesh, [Shard(0)])
             start = tracker_start(x, list(mesh.get_coordinate()))  # torch's own helpers
             shape = list(x.to_local().shape)
             want = ops.uniform(ops.make_key(11, start), 0, shape, [6, 1], -1.0, 1.0, torch.float32)
             assert torch.equal(results[0].cpu(), want) and torch.equal(results[1].cpu(), want)
             locals_.append(results[1])
     assert not torch.equal(locals_[0], locals_[1])
-    assert len(be.plans) == 1  # one graph for every rank
+    # one graph for every rank (an even shard: an uneven one gives the last rank another
+    # local shape, which Dynamo compiles again for, as it would without compile_rng)
+    assert len(be.plans) == 1
     graph = be.plans[0].graphs[0]
     assert "run_dtensor_rng_op" not in graph and "aten.uniform" not in graph
 
