@@ -70,7 +70,7 @@ def test_every_tagged_family_is_audited():
     families = tagged_families()
     audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | REFUSED | NOT_RANDOM
     assert set(families) <= audited, sorted(set(families) - audited)
-    assert len(families) >= 71  # torch 2.13
+    assert len(families) >= 70  # torch 2.11 (2.13: 71, with _flash_attention_forward_no_dropout_inplace)
 
 
 @pytest.mark.parametrize("name", sorted(REWRITTEN))

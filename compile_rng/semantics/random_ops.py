@@ -208,6 +208,24 @@ RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
     aten.random.to: _random,
 }
 
+
+
+def _unnamed(rule: Callable[[RandomCall], Any]) -> Callable[[RandomCall], Any]:
+    """The rule of a named-tensor overload (``rand.names``, ``randn.names``: torch 2.11 and
+    2.12): its unnamed form's where ``names`` is None, an error for a named tensor."""
+
+    def rule_without_names(call: RandomCall) -> Any:
+        if call.arg("names", None) is not None:
+            call.fail("named tensors are not supported", "draw an unnamed tensor and name it afterwards (refine_names)")
+        return rule(call)
+
+    return rule_without_names
+
+
+for _family, _rule in ((aten.rand, _uniform), (aten.randn, _normal)):
+    if hasattr(_family, "names"):  # torch 2.11, 2.12
+        RULES[_family.names] = _unnamed(_rule)
+
 #: In-place random ops and the functional overload whose rule replaces them.
 INPLACE: dict[OpOverload, OpOverload] = {
     aten.uniform_.default: aten.uniform.default,
