@@ -360,8 +360,9 @@ class Pipeline:
                                 microbatches=self.microbatches)
         with step if named else contextlib.nullcontext():
             # the inputs go to the first stage only (torch 2.11's shape inference refuses
-            # them on another stage's rank; later releases ignore them there)
-            inputs = (tokens,) if any(s.is_first for s in self.stages) else ()
+            # them on another stage's rank; later releases ignore them there), contiguous
+            # (2.11 checks a microbatch's strides against the stage's expected ones)
+            inputs = (tokens.contiguous(),) if any(s.is_first for s in self.stages) else ()
             self.schedule.step(*inputs, target=targets, losses=losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64)

@@ -52,7 +52,8 @@ def test_auto_compile_decides_per_model():
 
     def init_weights(model):
         for p in model.parameters():
-            if model.truncated:
+            if model.truncated:  # a graph break, as torch 2.12+'s trunc_normal_ (its loop reads .item())
+                torch._dynamo.graph_break()
                 nn.init.trunc_normal_(p, std=0.02)
             else:
                 nn.init.normal_(p)
