@@ -160,7 +160,21 @@ def host_costs(n: int = 4096, reps: int = 300) -> str:
         "triton_kernels.plan only": lambda: tk.plan(tk.UNIFORM, out, key, 0, [1], a=0.0, b=1.0),
         "Triton launch only": lambda: tk._stream_kernel[step.grid](*step.args, **constexprs, **tk.OPTIONS),
     }
-    return "\n".join(f"  {name:<40}{per_call(fn):8.1f} us/call" for name, fn in rows.items())
+    lines = [f"  {name:<40}{per_call(fn):8.1f} us/call" for name, fn in rows.items()]
+    # where a compile_rng call's host time goes, function by function
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(reps):
+        ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+    return "\n".join(lines) + f"\n\ncProfile of {reps} ops.uniform calls:\n" + text.getvalue()
 
 
 def ncu_launches(n: int) -> None:

@@ -89,3 +89,32 @@ def _outside_sub_mesh_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_rank_outside_a_sub_mesh_skips_the_op_and_verify_reports_the_divergence():
     spawn(_outside_sub_mesh_worker, 2)
+
+
+def _named_step_streams_worker(rank: int, world: int) -> None:
+    from compile_rng.stream import state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    stock_snapshot, stock_set_state = state.snapshot, state.set_state
+    for offsets, refused in (((0, 0), False), ((0, 8), True)):
+        compile_rng.manual_seed(7)  # the CPU streams agree
+        # a stand-in accelerator stream (no GPU here): ranks at different offsets on it, as
+        # stages that ran other stock CUDA random ops before the step would be
+        state.snapshot = lambda: {**stock_snapshot(), "cuda": (7, offsets[rank])}
+        state.set_state = lambda seed, offset, device="cpu": None if device == "cuda" else stock_set_state(
+            seed, offset, device)
+        try:
+            with compile_rng.step(2, names=model):
+                model(torch.ones(2, 4))
+        except RuntimeError as e:
+            assert refused and "different stream positions" in str(e) and "cuda offset" in str(e), e
+        else:
+            assert not refused
+        finally:
+            state.snapshot, state.set_state = stock_snapshot, stock_set_state
+
+
+def test_a_named_step_compares_every_devices_stream_across_ranks():
+    """A named draw uses its device's stream: ranks that agree on the CPU stream but not on
+    an accelerator's are refused, naming the stream (real gloo ranks, a stand-in stream)."""
+    spawn(_named_step_streams_worker, 2)

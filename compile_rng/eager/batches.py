@@ -293,14 +293,18 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
 
 
 def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
-    """Every rank must begin the step at the same stream position (the single process's):
-    a stage seeded ``seed + pp_rank`` (torchtitan, Megatron) would draw other masks."""
+    """Every rank must begin the step at the same position of every device's stream (a
+    named draw uses the stream of its tensor's device): a stage seeded ``seed + pp_rank``
+    (torchtitan, Megatron), or one that ran other stock CUDA random ops before the step,
+    would draw other masks."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    kinds = sorted(start)
     verify.require_agreement(
-        [dist.group.WORLD], start["cpu"], ("seed", "offset"),
+        [dist.group.WORLD], tuple(v for kind in kinds for v in start[kind]),
+        tuple(f"{kind} {field}" for kind in kinds for field in ("seed", "offset")),
         "compile_rng.step(names=...): the ranks begin the step at different stream positions",
         "Every rank must be seeded alike - a pipeline stage "
         "seeded seed + pp_rank (torchtitan, Megatron) draws other masks than the single process. "
