@@ -100,7 +100,7 @@ def _named_step_streams_worker(rank: int, world: int) -> None:
         compile_rng.manual_seed(7)  # the CPU streams agree
         # a stand-in accelerator stream (no GPU here): ranks at different offsets on it, as
         # stages that ran other stock CUDA random ops before the step would be
-        state.snapshot = lambda: {**stock_snapshot(), "cuda": (7, offsets[rank])}
+        state.snapshot = lambda mine=offsets[rank]: {**stock_snapshot(), "cuda": (7, mine)}
         state.set_state = lambda seed, offset, device="cpu": None if device == "cuda" else stock_set_state(
             seed, offset, device)
         try:
