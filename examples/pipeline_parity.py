@@ -385,7 +385,8 @@ def capture_dropped(module: nn.Module, block: str, into: list) -> None:
         return
     def on_gradient(part: str):
         def hook(module, args, out) -> None:  # returns None: the output stays
-            out.register_hook(lambda g: record(f"{part} backward", g))
+            if out.requires_grad:  # not in torch 2.11's shape inference, which runs without grad
+                out.register_hook(lambda g: record(f"{part} backward", g))
 
         return hook
 
