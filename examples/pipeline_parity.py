@@ -352,6 +352,14 @@ class Pipeline:
     def parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
+    def run_schedule(self, tokens: torch.Tensor, targets: torch.Tensor, losses: list) -> None:
+        """One run of the schedule on this rank's stages. The inputs go to the first stage
+        only (torch 2.11's shape inference refuses them on another stage's rank; later
+        releases ignore them there), contiguous (2.11 checks a microbatch's strides
+        against the stage's expected ones)."""
+        inputs = (tokens.contiguous(),) if any(s.is_first for s in self.stages) else ()
+        self.schedule.step(*inputs, target=targets, losses=losses)
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, named: bool = True) -> torch.Tensor:
         """One step on this rank's rows; returns the step's mean loss on the last stage's
         ranks (zero elsewhere). ``named=False``: torch's own generator, as without compile_rng."""
@@ -359,11 +367,7 @@ class Pipeline:
         step = compile_rng.step(tokens.shape[0], data_parallel=self.dp_mesh, names=self.stages,
                                 microbatches=self.microbatches)
         with step if named else contextlib.nullcontext():
-            # the inputs go to the first stage only (torch 2.11's shape inference refuses
-            # them on another stage's rank; later releases ignore them there), contiguous
-            # (2.11 checks a microbatch's strides against the stage's expected ones)
-            inputs = (tokens.contiguous(),) if any(s.is_first for s in self.stages) else ()
-            self.schedule.step(*inputs, target=targets, losses=losses)
+            self.run_schedule(tokens, targets, losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack(losses).mean().detach()

@@ -496,7 +496,7 @@ def _two_forwards_body(rank: int, world: int, out: str) -> None:
     torch.manual_seed(pp.SEED)
     with compile_rng.step(tokens.shape[0], names=pipe.stages, microbatches=4):
         for _ in range(2):
-            pipe.schedule.step(tokens, target=targets, losses=[])
+            pipe.run_schedule(tokens, targets, [])
     torch.save((data_parallel, pipelined), f"{out}.{rank}")
 
 
