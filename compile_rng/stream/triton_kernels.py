@@ -347,10 +347,29 @@ def plan(
     """The launches that fill the contiguous ``out`` with op ``op``'s values at the layout
     ``(out.shape, strides)``. ``source`` (dropout's input, bernoulli's probabilities) and
     ``mask`` (dropout's keep mask) are contiguous and shaped like ``out``."""
-    numel = out.numel()
-    if numel == 0:
+    if out.numel() == 0:
         return []
-    dims = collapse(list(out.shape), list(strides))
+    out_f = out.view(-1)
+    mask_f = mask.view(-1) if mask is not None else out_f
+    # The kernel's pointers are specialized on 16-byte alignment (the vectorized stores):
+    # a source that starts mid-storage is copied, so every launch meets the one variant.
+    src_f = source.view(-1) if source is not None else out_f
+    if src_f.data_ptr() % 16:
+        src_f = src_f.clone()
+    if op == UNIFORM:
+        i_a = _bits(_first_at_or_above(b, out.dtype))
+    shape = _schedule(op, tuple(out.shape), tuple(strides), out.dtype, offset, _bits(a), _bits(b), i_a, i_b, big, mod,
+                      _GRID_ROWS)
+    return [Launch(grid, (out_f, mask_f, src_f, key, *scalars), constexprs) for grid, scalars, constexprs in shape]
+
+
+@functools.lru_cache(maxsize=4096)  # the host's cost of a launch, paid once per op and layout
+def _schedule(op: int, size: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype, offset: int,
+              a_bits: int, b_bits: int, i_a: int, i_b: int, big: bool, mod: bool,
+              grid_rows: int) -> tuple[tuple[tuple[int, int], tuple[int, ...], tuple[tuple[str, Any], ...]], ...]:
+    """:func:`plan`'s launches without their tensors: ``(grid, scalar arguments,
+    constexprs)`` each (floats as their float64 bits: a key that tells -0.0 from 0.0)."""
+    dims = collapse(list(size), list(strides))
     inner, inner_stride = dims[-1]
     outer, lead = dims[:-1][-_OUTER_DIMS:], dims[:-1][:-_OUTER_DIMS]
     outer = [(1, 0)] * (_OUTER_DIMS - len(outer)) + outer
@@ -363,34 +382,25 @@ def plan(
         # 64 registers there). One block per thread: 42 registers, no spill (gpu_aot).
         block = _BLOCKS // 2
     col_programs = triton.cdiv(triton.cdiv(inner + 3, 4) if contig else inner, block)
-    dtype = out.dtype if out.dtype.is_floating_point else torch.float32
+    fdtype = dtype if dtype.is_floating_point else torch.float32
     constexprs = (
-        ("OP", op), ("BITS", stream.UNIFORM_BITS.get(dtype, 24)), ("CDT", _TL_CDT[stream.compute_dtype(dtype)]),
+        ("OP", op), ("BITS", stream.UNIFORM_BITS.get(fdtype, 24)), ("CDT", _TL_CDT[stream.compute_dtype(fdtype)]),
         ("BIG", big), ("MOD", mod), ("HIGH", op == RANDOM_BITS or big), ("CONTIG", contig), ("BLOCK", block),
     )
-    out_f = out.view(-1)
-    mask_f = mask.view(-1) if mask is not None else out_f
-    # The kernel's pointers are specialized on 16-byte alignment (the vectorized stores):
-    # a source that starts mid-storage is copied, so every launch meets the one variant.
-    src_f = source.view(-1) if source is not None else out_f
-    if src_f.data_ptr() % 16:
-        src_f = src_f.clone()
-    if op == UNIFORM:
-        i_a = _bits(_first_at_or_above(b, out.dtype))
     chunk = rows * inner
     launches = []
     # Dims beyond the kernel's: one launch per leading index, each on its slice of the
-    # rows; and a launch per _GRID_ROWS rows (a grid's second dim holds no more).
+    # rows; and a launch per grid_rows rows (a grid's second dim holds no more).
     for n, idx in enumerate(itertools.product(*(range(s) for s, _ in lead))):
         lead_rel = sum(i * st for i, (_, st) in zip(idx, lead))
-        for row0 in range(0, rows, _GRID_ROWS):
-            args = (
-                out_f, mask_f, src_f, key, stream.as_int64(offset + lead_rel), n * chunk, inner, inner_stride,
+        for row0 in range(0, rows, grid_rows):
+            scalars = (
+                stream.as_int64(offset + lead_rel), n * chunk, inner, inner_stride,
                 row0, outer[1][0], outer[2][0], outer[0][1], outer[1][1], outer[2][1],
-                _bits(a), _bits(b), stream.as_int64(i_a), stream.as_int64(i_b),
+                a_bits, b_bits, stream.as_int64(i_a), stream.as_int64(i_b),
             )
-            launches.append(Launch((col_programs, min(rows - row0, _GRID_ROWS)), args, constexprs))
-    return launches
+            launches.append(((col_programs, min(rows - row0, grid_rows)), scalars, constexprs))
+    return tuple(launches)
 
 
 #: While :func:`recording` is active, :func:`launch` appends its launches here instead.
