@@ -15,7 +15,7 @@ XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile,)
 # what `make test` selects (CI's torch 2.15 run adds "and not torch_independent")
 MARKS ?= not slow
 
-.PHONY: setup demo parity lint test test-slow test-all test-gpu gpu-check aot-gpu bench load clean
+.PHONY: setup demo parity lint test test-slow test-all test-releases test-gpu gpu-check aot-gpu bench load clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,13 @@ test-slow: setup
 
 test-all: setup
 	$(VENV)/bin/pytest -q $(XDIST)
+
+# The releases CI does not run (it runs 2.13, 2.15 and 2.11): the default suite less the
+# torch-independent tests on torch 2.12.1 and 2.14.1, each in its own venv (the registry's
+# CUDA builds, ~5.4 GB each; they run on CPU)
+test-releases:
+	$(MAKE) test VENV=.venv-212 TORCH=2.12.1 MARKS="not slow and not torch_independent"
+	$(MAKE) test VENV=.venv-214 TORCH=2.14.1 MARKS="not slow and not torch_independent"
 
 # On a CUDA machine: the GPU suite, then the kernel tests (they run on the GPU there).
 test-gpu: setup

@@ -24,23 +24,31 @@ import torch
 import torch.nn.functional as F
 
 
-def _time(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls (CUDA events, after warm-up)."""
+def _time(fn: Callable[[], object], reps: int = 20, batch: int = 10) -> tuple[float, float]:
+    """Seconds per call of ``fn()``, medians over ``reps`` (CUDA events, after warm-up):
+    back to back (``batch`` calls between two events: the GPU's throughput where the host
+    keeps ahead of it, as in a training step), and serially (one call between events,
+    the host's time to launch it included)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+
+    def median(calls: int) -> float:
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        return sorted(times)[len(times) // 2]
+
+    return median(batch), median(1)
 
 
-def _time_or_error(fn: Callable[[], object]) -> float | str:
+def _time_or_error(fn: Callable[[], object]) -> tuple[float, float] | str:
     """:func:`_time`, or the error's first line: one case that cannot run leaves the
     other rows measured (and says why in the table)."""
     try:
@@ -100,8 +108,10 @@ def eager_rows(n: int, dtype: torch.dtype) -> list[dict]:
     rows = []
     for op, impls in cases.items():
         for who, fn in impls.items():
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "op": op, "impl": who,
-                         "s": _time_or_error(fn), "bytes": moved[op], "numel": n})
+            t = _time_or_error(fn)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "op": op, "impl": who, "bytes": moved[op],
+                         "numel": n, "s": t[0] if isinstance(t, tuple) else t,
+                         "s_serial": t[1] if isinstance(t, tuple) else t})
     return rows
 
 
@@ -123,7 +133,8 @@ def graph_rows(n: int) -> list[dict]:
     for name, (with_dropout, without, args) in graphs.items():
         for who, fn, backend in (("compile_rng", with_dropout, "compile_rng"), ("stock Inductor", with_dropout, "inductor"),
                                  ("stock Inductor, no dropout", without, "inductor")):
-            rows.append({"graph": name, "impl": who, "s": _time_or_error(_Compiled(fn, backend, *args))})
+            t = _time_or_error(_Compiled(fn, backend, *args))
+            rows.append({"graph": name, "impl": who, "s": t[0] if isinstance(t, tuple) else t})
     return rows
 
 
@@ -198,7 +209,9 @@ def _fmt(t: float | str, digits: int = 4) -> str:
 def report(eager: list[dict], graphs: list[dict]) -> str:
     lines = [f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
              f"{__import__('triton').__version__}  numel={eager[0]['numel']}"]
-    lines.append(f"{'dtype':<9}{'op':<9}{'implementation':<20}{'ns/elem':>9}{'GB/s':>8}{'of fill':>9}{'x torch':>9}")
+    lines.append("back to back (the GPU's throughput); serial: one call at a time, the host's launch included")
+    lines.append(f"{'dtype':<9}{'op':<9}{'implementation':<20}{'ns/elem':>9}{'GB/s':>8}{'of fill':>9}{'x torch':>9}"
+                 f"{'serial ns/elem':>16}")
     for dtype in dict.fromkeys(r["dtype"] for r in eager):
         rows = [r for r in eager if r["dtype"] == dtype]
         fill = next(r for r in rows if r["op"] == "fill_")
@@ -212,9 +225,10 @@ def report(eager: list[dict], graphs: list[dict]) -> str:
             ratio = f"{r['s'] / base:9.2f}" if isinstance(base, float) and r["impl"] != baseline_impl else f"{'':9}"
             bw = r["bytes"] / r["s"]
             of_fill = f"{bw / fill_bw:9.2f}" if fill_bw else f"{'':9}"
-            lines.append(f"{dtype:<9}{r['op']:<9}{r['impl']:<20}{r['s'] / r['numel'] * 1e9:9.4f}{bw / 1e9:8.0f}{of_fill}{ratio}")
+            lines.append(f"{dtype:<9}{r['op']:<9}{r['impl']:<20}{r['s'] / r['numel'] * 1e9:9.4f}{bw / 1e9:8.0f}{of_fill}{ratio}"
+                         f"{r['s_serial'] / r['numel'] * 1e9:16.4f}")
     lines.append("")
-    lines.append(f"{'graph':<26}{'implementation':<28}{'time':>12}{'x stock':>9}{'x no dropout':>14}")
+    lines.append(f"{'graph (back to back)':<26}{'implementation':<28}{'time':>12}{'x stock':>9}{'x no dropout':>14}")
     for name in dict.fromkeys(r["graph"] for r in graphs):
         rows = {r["impl"]: r["s"] for r in graphs if r["graph"] == name}
         stock, bare = rows.get("stock Inductor"), rows.get("stock Inductor, no dropout")
