@@ -11,6 +11,7 @@ functions: importing compile_rng stays light.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import traceback
@@ -33,6 +34,7 @@ __all__ = [
     "default_partition",
     "donated_buffers",
     "disable_dynamo",
+    "eager_contextmanager",
     "dynamo_module_call",
     "dynamo_module_path",
     "dynamo_module_source",
@@ -53,6 +55,39 @@ UNDOCUMENTED_FIELDS: tuple[str, ...] = ("dynamo_compile_id", "compile_subgraph_r
 # torch._disable_dynamo imports Dynamo at the first call, not at decoration: importing
 # compile_rng stays light. torch uses it for torch.manual_seed.
 disable_dynamo = torch._disable_dynamo
+
+
+class _EagerContext:
+    """A context manager whose ``__enter__``/``__exit__`` (and all they call) run with Dynamo off."""
+
+    __slots__ = ("_cm",)
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+
+    @disable_dynamo
+    def __enter__(self) -> Any:
+        return self._cm.__enter__()
+
+    @disable_dynamo
+    def __exit__(self, *exc: Any) -> Any:
+        return self._cm.__exit__(*exc)
+
+
+def eager_contextmanager(fn: Any) -> Any:
+    """``contextlib.contextmanager`` whose body Dynamo never compiles. ``disable_dynamo``
+    over a ``@contextmanager`` function covers only making the generator: its body runs
+    later, in ``__enter__``, where Dynamo's frame hook compiles what it calls (and folds
+    ``torch.distributed.get_rank()`` into constants, unguarded: one process acting as
+    several ranks then gave every rank the first one's shard, seen on torch 2.11; 2.13
+    ran the body eagerly only because tracing it failed)."""
+    cm = contextlib.contextmanager(fn)
+
+    @functools.wraps(fn)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        return _EagerContext(cm(*args, **kwargs))
+
+    return disable_dynamo(make)
 
 
 def compile_failures() -> tuple[type[BaseException], ...]:

@@ -43,7 +43,7 @@ from compile_rng._torch.dtensor_internals import (
     dtensor_rng_tracker_base,
     rng_tracker,
 )
-from compile_rng._torch.dynamo_internals import disable_dynamo
+from compile_rng._torch.dynamo_internals import eager_contextmanager
 from compile_rng.eager.dispatch_modes import RandomOpMode, eager_key
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
@@ -113,8 +113,7 @@ class Tracker(dtensor_rng_tracker_base()):
 
     # Dynamo must not inline the tracker (it reads the state and placements); code that
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
-    @disable_dynamo
-    @contextlib.contextmanager
+    @eager_contextmanager
     def region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
         """The region DTensor runs a random op's local op in (its ``_distribute_region``)."""
         if not state.serves(spec.mesh):
