@@ -1,5 +1,5 @@
 # Fresh machine: `make demo` or `make test` creates .venv and installs everything.
-# Another torch: `make test VENV=.venv-215 TORCH=2.15.0` (CI does this for 2.15.0).
+# Another torch: `make test VENV=.venv-215 TORCH=2.15.0` (CI does this for 2.15.0 and 2.11.0).
 VENV ?= .venv
 TORCH ?= 2.13.0
 # The Triton kernels (accelerators; tested on CPU in Triton's interpreter). torch's CUDA
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	# torch first, at the tested release: 2.13.0 resolves to a CPU wheel where one is on
 	# local disk (these machines); elsewhere, and for 2.15.0, the registry's build comes
 	# with several GB of CUDA packages (it runs on CPU too). compile_rng's own install
-	# then leaves that torch as it is (it accepts torch>=2.13,<2.16); the check says so.
+	# then leaves that torch as it is (it accepts torch>=2.11,<2.16); the check says so.
 	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==$(TRITON)

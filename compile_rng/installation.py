@@ -2,7 +2,8 @@
 
 :func:`install` (run on ``import compile_rng``; idempotent) makes these changes, and
 :func:`uninstall` undoes them, for tests and for users who want stock torch back. Each
-was checked on torch 2.13.0 and 2.15.0 (2.14 has the same modules).
+was checked on torch 2.13.0 and 2.15.0 (2.14 has the same modules), and on 2.11.0 and
+2.12.1 (the two 2.11 differences are read from :mod:`compile_rng._torch`).
 
 ==========================================================  ========================================
 what                                                        why

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import compile_rng
+from compile_rng._torch.dtensor_internals import dtensor_views_flatten_sharded_dims
 
 SEED = 5
 B, H, L, D = 2, 4, 8, 8
@@ -91,6 +92,8 @@ def test_attention_dropout_mask_is_the_stream_and_backward_reuses_it(fn):
         assert (got - want).abs().max() < 1e-9
 
 
+@pytest.mark.skipif(not dtensor_views_flatten_sharded_dims(),
+                    reason="this torch's DTensor cannot run SDPA on heads sharded over TP (torch 2.12+), stock too")
 @pytest.mark.parametrize("mode", ["tracker", "invariant"])
 def test_heads_sharded_over_tp(mode):
     """Heads ``Shard(1)`` over 2 ranks: one compile (as rank 0) serves both ranks; each

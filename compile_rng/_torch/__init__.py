@@ -8,7 +8,10 @@ compile_rng (``tests/test_torch_internals.py`` and ``tests/test_import_structure
 check it).
 
 Each item says why compile_rng needs it; all were checked on torch 2.13.0 and 2.15.0
-(2.14 has the same modules). Private here means a module, attribute or method whose
+(2.14 has the same modules), and by the test suite on 2.11.0 and 2.12.1. Where an older
+release differs, the difference is handled here, once: 2.11's DTensor has no accelerator
+branch (``dtensor_internals.dtensor_dispatch_has_rng_op``) and its ``trunc_normal_`` is
+not the redraw loop (``core_internals.trunc_normal_redraws``). Private here means a module, attribute or method whose
 name starts with ``_`` (``torch._dynamo``, ``DTensor._op_dispatcher``), and Dynamo's
 undocumented fields (``dynamo_internals.UNDOCUMENTED_FIELDS``).
 

@@ -38,6 +38,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "dtensor_random",
     "dtensor_rng_tracker_base",
     "dtensor_spec",
+    "dtensor_views_flatten_sharded_dims",
     "local_tensor",
     "rng_tracker",
     "set_rng_tracker",
@@ -134,6 +135,23 @@ def dtensor_dispatch_has_rng_op() -> bool:
     (2.12-2.15). torch 2.11 has none: it runs every random op, on any device, inside the
     tracker's region, which compile_rng's tracker serves on every device already."""
     return hasattr(dtensor_dispatch(), "run_dtensor_rng_op")
+
+
+@functools.cache
+def dtensor_views_flatten_sharded_dims() -> bool:
+    """Whether DTensor's view rule merges a sharded dim with the dims after it (``(2, 4,
+    8)`` ``Shard(1)`` viewed as ``(8, 8)`` gives ``_StridedShard``: torch 2.12-2.15). torch
+    2.11's refuses ("Attempted to flatten multiple dimensions"): there a TP rank's local
+    piece viewed that way (attention heads flattened) has no layout, and compile_rng
+    refuses its draws. Asks ``_ops._view_ops`` directly: no process group needed."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding, view_groups
+
+    try:
+        propagate_shape_and_sharding([Shard(1)], (2, 4, 8), view_groups((2, 4, 8), (8, 8)), (2,), strict_view=True)
+    except RuntimeError:
+        return False
+    return True
 
 
 def dtensor_op_dispatcher() -> Any:

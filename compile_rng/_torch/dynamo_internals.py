@@ -40,7 +40,9 @@ __all__ = [
     "dynamo_module_source",
     "graph_break",
     "graph_compile_id",
+    "is_from_local",
     "is_resume_frame",
+    "is_to_local",
     "mark_sourceless_input",
     "traced_code_name",
 ]
@@ -88,6 +90,26 @@ def eager_contextmanager(fn: Any) -> Any:
         return _EagerContext(cm(*args, **kwargs))
 
     return disable_dynamo(make)
+
+
+def is_to_local(node: fx.Node) -> bool:
+    """Whether ``node`` of a Dynamo graph is a DTensor's ``to_local()``: a ``call_method``
+    (2.12-2.15), or in torch 2.11 a ``call_function`` of the closure Dynamo names
+    ``prim_to_local`` (``torch/_dynamo/variables/tensor.py``, ``method_to_local``): a form
+    not recognised would leave a TP rank's local piece drawn as a replica."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    return node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local"
+
+
+def is_from_local(node: fx.Node) -> bool:
+    """Whether ``node`` of a Dynamo graph is ``DTensor.from_local``: the function itself
+    (2.12-2.15), or in torch 2.11 a closure Dynamo names ``prim from_local``
+    (``torch/_dynamo/variables/torch.py``)."""
+    from torch.distributed.tensor import DTensor
+
+    return node.op == "call_function" and (
+        node.target is DTensor.from_local or getattr(node.target, "__name__", None) == "prim from_local")
 
 
 def compile_failures() -> tuple[type[BaseException], ...]:

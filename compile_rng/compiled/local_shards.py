@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from compile_rng._torch.core_internals import TorchDispatchMode, detect_fake_mode, higher_order_op_name, tree_leaves
 from compile_rng._torch.dtensor_internals import distribute_region, dtensor_spec, local_tensor
+from compile_rng._torch.dynamo_internals import is_from_local, is_to_local
 from compile_rng.eager import tracker
 from compile_rng.eager.dispatch_modes import RandomOpMode, drawn_shape
 from compile_rng.semantics.local_values import Layout, Lost
@@ -120,7 +121,7 @@ class _Analysis:
 
     def start(self, node: fx.Node) -> bool:
         """Whether ``node`` is a ``to_local()`` of a sharded DTensor (recorded then)."""
-        if node.op == "call_method" and node.target == "to_local" and is_sharded(_example(node.args[0])):
+        if is_to_local(node) and is_sharded(_example(node.args[0])):
             shard = _example(node.args[0])
             if not all(isinstance(s, int) for s in shard.shape):
                 # DTensor's sharding rules hash their arguments, which a SymInt refuses
@@ -268,7 +269,7 @@ def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
                 analysis.values[node] = Lost(f"{_describe(node)} returns a TP rank's local piece")
         if node.op not in ("call_function", "call_method") or analysis.start(node):
             continue
-        if not analysis.operands(node) or node.target is DTensor.from_local:
+        if not analysis.operands(node) or is_from_local(node):
             continue
         value = analysis.values.get(node.args[0]) if node.args else None
         if node.op == "call_function" and node.target is operator.getitem and isinstance(value, (tuple, list, Lost)):

@@ -47,7 +47,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 UNIFORM, NORMAL, EXPONENTIAL, BERNOULLI, BERNOULLI_TENSOR, DROPOUT, RANDINT, RANDOM_BITS = range(8)
 _OUTER_DIMS = 3  # outer dims a launch takes; more are looped over on the host
 _BLOCKS = 512  # Philox blocks per program (2048 elements) on the block path
-_ELEMS = 1024  # elements per program on the per-element path
+_ELEMS = 512  # elements per program on the per-element path (1024 spilled normal on sm_100)
 _GRID_ROWS = 65535  # the most programs a grid's second dim holds (CUDA's limit)
 
 # --- device code ------------------------------------------------------------------------
