@@ -12,8 +12,10 @@ PYTHON ?= python3
 # run the default suite in ~0.55x the time. WORKERS=1 runs in this process (debugging).
 WORKERS ?= 2
 XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile,)
-# what `make test` selects (CI's torch 2.15 run adds "and not torch_independent")
+# what `make test` selects (CI's torch 2.15 run adds "and not torch_independent"), and
+# where from (TESTS: test files or ids, all of tests/ when empty)
 MARKS ?= not slow
+TESTS ?=
 
 .PHONY: setup demo parity lint test test-slow test-all test-releases test-gpu gpu-check aot-gpu bench load clean
 
@@ -47,7 +49,7 @@ lint: setup
 
 # --durations: the slowest tests, printed on every run, so a slow one is seen when it lands
 test: setup
-	$(VENV)/bin/pytest -q -m "$(MARKS)" $(XDIST) --durations=15
+	$(VENV)/bin/pytest -q -m "$(MARKS)" $(XDIST) --durations=15 $(TESTS)
 
 # CI's second run; the sweeps (marker `sweep`) and the runs CI leaves out for its budget
 # (marker `beyond_ci`) only in test-all
