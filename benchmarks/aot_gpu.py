@@ -125,8 +125,11 @@ def executed_per_thread(sass: list[tuple[int, str]]) -> list[str]:
     called counts its body once per call. Counting the whole body instead (both sides of
     every ``if``) overstated uniform by a third."""
     by_addr = {a: i for i, (a, _) in enumerate(sass)}
-    executed, i = [], 0
+    executed, i, seen = [], 0, set()
     while not sass[i][1].startswith("EXIT"):
+        if i in seen:  # an unconditional loop on the path: no common path to count
+            raise ValueError(f"the common path loops at SASS line {i}: {sass[i][1]}")
+        seen.add(i)
         addr, ins = sass[i]
         m = _BRANCH.match(ins)
         if m and m.group(2):

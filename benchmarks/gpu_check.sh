@@ -47,8 +47,14 @@ copy_install() {
         >"$site/compile_rng-0.1.0.dist-info/entry_points.txt" && echo "$site"
 }
 if ! timeout 90 "${PY[@]}" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
-    SITE=$(copy_install) && export PYTHONPATH=$SITE && PY+=(-P)  # -P: not the checkout's package
-    say "- install: pip failed ($(tail -1 "$OUT/install.log")); copied to $SITE instead"
+    if SITE=$(copy_install); then
+        export PYTHONPATH=$SITE
+        # -P (Python 3.11+): the copy, not the checkout's package, which lacks compile_rng.passes
+        "${PY[@]}" -c "import sys; sys.exit(sys.version_info < (3, 11))" && PY+=(-P)
+        say "- install: pip failed ($(tail -1 "$OUT/install.log")); copied to $SITE instead"
+    else
+        say "- install: pip failed ($(tail -1 "$OUT/install.log")) and so did the copy: nothing installed"
+    fi
 else
     say "- install: pip install -e . (no dependencies, no index)"
 fi

@@ -199,3 +199,13 @@ def test_uniform_values_that_round_to_the_upper_bound_are_replaced_as_on_cpu():
             assert torch.equal(cpu, triton), (dtype, low, high)
     # the test can fail: with these bounds the replacement happens
     assert (ops.uniform(key, 1, [4096], [1], 1.0, 1.0 + 2**-30, torch.bfloat16) == 1.0).all()
+
+
+def test_more_rows_than_the_kernels_32_bit_row_arithmetic_are_refused():
+    from compile_rng.stream import triton_kernels as tk
+
+    schedule = lambda rows: tk._schedule(tk.UNIFORM, (rows, 2), (4, 1), torch.float32, 0, 0, 0, 0, 0,  # noqa: E731
+                                         False, False, tk._GRID_ROWS)
+    assert len(schedule(2**31 - 1)) == -(-(2**31 - 1) // tk._GRID_ROWS)  # a launch per grid's rows
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 rows"):
+        schedule(2**31)

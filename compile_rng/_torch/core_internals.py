@@ -129,7 +129,10 @@ def trunc_normal_redraws() -> bool:
     change the values of plain tensors."""
     import inspect
 
-    return "while" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)
+    try:
+        return "while" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)
+    except (OSError, TypeError):  # a torch installed without its sources: 2.12 brought the loop
+        return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
 
 
 def lazy_attributes(module: str, table: dict[str, tuple[str, str | None, str]]) -> Callable[[str], Any]:

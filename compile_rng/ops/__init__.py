@@ -243,8 +243,8 @@ def bernoulli(
     """1 with probability ``p``, else 0, in ``dtype``."""
     if key.device.type == "cpu" and _fast_layout(size, strides):  # allocated only where the C kernel fills it
         out = _empty(key, size, dtype)
-        bernoulli_into(out, key, offset, size, strides, p, dtype)
-        return out
+        if bernoulli_into(out, key, offset, size, strides, p, dtype):
+            return out
 
     def compute(off, sz):
         return stream.bernoulli_scalar(_M, _words(key, off, sz, strides, "bernoulli")[0], dtype, p)

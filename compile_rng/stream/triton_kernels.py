@@ -226,7 +226,7 @@ def _stream_kernel(
         # stream: block k's lane l is element 4k + l - lane0 of the row. The block number
         # is carried in two uint32 words (counters wrap at 2**64, blocks at 2**62).
         TILE: tl.constexpr = 4 * BLOCK
-        first_block = (start >> 2) + (col * BLOCK).to(tl.uint64)
+        first_block = (start >> 2) + col.to(tl.uint64) * BLOCK  # widened first: col * BLOCK passes 2**31
         lo0 = (first_block & _MASK32).to(tl.uint32)
         hi0 = ((first_block >> 32) & 0x3FFFFFFF).to(tl.uint32)
         lo = lo0 + tl.arange(0, BLOCK).to(tl.uint32)
@@ -387,6 +387,9 @@ def _schedule(op: int, size: tuple[int, ...], strides: tuple[int, ...], dtype: t
         ("OP", op), ("BITS", stream.UNIFORM_BITS.get(fdtype, 24)), ("CDT", _TL_CDT[stream.compute_dtype(fdtype)]),
         ("BIG", big), ("MOD", mod), ("HIGH", op == RANDOM_BITS or big), ("CONTIG", contig), ("BLOCK", block),
     )
+    if rows >= 2**31:  # the kernel's row arithmetic is 32-bit
+        raise ValueError(f"compile_rng: a random op over {rows} rows of {inner} elements: at most 2**31 - 1 rows "
+                         "(after merging contiguous dims) in one op; split the tensor")
     chunk = rows * inner
     launches = []
     # Dims beyond the kernel's: one launch per leading index, each on its slice of the
