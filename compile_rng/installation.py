@@ -45,7 +45,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import re
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -70,10 +69,9 @@ SUPPORTED_TORCH = ((2, 11), (2, 16))
 def check_torch_version(version: str) -> None:
     """Raise ImportError unless ``version`` is in :data:`SUPPORTED_TORCH`. The changes
     reach private torch code that other releases lay out differently: on torch 2.11
-    (a GPU image's) the DTensor hook failed inside torch's own
+    (a GPU image's) the DTensor hook once failed inside torch's own
     ``import torch.distributed.fsdp``, breaking code that never used compile_rng."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    release = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    release = core_internals.torch_release(version)
     first, past = SUPPORTED_TORCH
     if not first <= release < past:
         raise ImportError(

@@ -44,6 +44,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "pop_dispatch_mode_temporarily",
     "quiet_fake_tensor_failures",
     "storage_weak_ref",
+    "torch_release",
     "traced_graph",
     "tree_leaves",
     "tree_map",
@@ -132,7 +133,16 @@ def trunc_normal_redraws() -> bool:
     try:
         return "while" in inspect.getsource(torch.nn.init._no_grad_trunc_normal_)
     except (OSError, TypeError):  # a torch installed without its sources: 2.12 brought the loop
-        return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
+        return torch_release(torch.__version__) >= (2, 12)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``"2.11.0+cu130"`` -> ``(2, 11)``);
+    ``(0, 0)`` for one that does not start with them."""
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def lazy_attributes(module: str, table: dict[str, tuple[str, str | None, str]]) -> Callable[[str], Any]:

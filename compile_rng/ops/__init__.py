@@ -134,8 +134,8 @@ def uniform(
     # buffer reserved beside the one the general path makes.
     if key.device.type == "cpu" and _uniform_fast(size, strides, high, dtype):
         out = _empty(key, size, dtype)
-        _fast(FAST_UNIFORM, key, offset, size, strides, out=out, low=low, high=high)
-        return out
+        if uniform_into(out, key, offset, size, strides, low, high, dtype):
+            return out
 
     def compute(off, sz):
         return stream.uniform(_M, _words(key, off, sz, strides, "uniform")[0], dtype, low, high)

@@ -8,10 +8,12 @@ and base loaded from the key tensor on the device (no host sync per op).
 * **Layouts.** The host collapses the layout to rows of an inner dim (``rows x inner``,
   outer dims up to three with any strides). Where the inner counter stride is 1 (a
   plain stream, or a shard window of a row-major global tensor) a program walks Philox
-  *blocks* and writes all four words of each; otherwise each element computes its own
-  block and takes its lane.
-* **64-bit.** Counters and seeds are full uint64 (carried in uint64 lanes, wrapping like
-  the contract), element indices int64: no int32 truncation anywhere.
+  *blocks* and writes all four words of each, in element order (16-byte stores for a
+  whole aligned tile); otherwise each element computes its own block and takes its lane.
+* **64-bit where it must be.** Counters and seeds are full uint64 (block numbers carried
+  as two uint32 words, wrapping like the contract); a program's first element offset is
+  int64 and the offsets within it int32; program ids and rows are int32 (the host refuses
+  a launch of 2**31 rows or more).
 * **Floats.** Float parameters travel as their float64 bit patterns and are rounded to
   the compute dtype in the kernel, as :mod:`compile_rng.stream` rounds its constants.
   Kernels launch with ``enable_fp_fusion=False``: a multiply-add contracted into an FMA
