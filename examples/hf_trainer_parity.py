@@ -66,9 +66,11 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
     return total.item()
 
 
-def train_trainer(batch: int, accumulation: int, parity: bool, folder: str) -> list[float]:
-    """One epoch of ``transformers.Trainer``: every optimizer step's mean loss over the
-    global batch (float64; the Trainer's own log is float32)."""
+def make_trainer(batch: int, accumulation: int, parity: bool, folder: str, **arguments) -> tuple[object, list[float]]:
+    """A ``transformers.Trainer`` (with ``compile_rng.TrainerMixin`` when ``parity``) on
+    the model and dataset, and the list it appends every optimizer step's mean loss over
+    the global batch to (float64; the Trainer's own log is float32). ``arguments``
+    override the ``TrainingArguments``."""
     import transformers
     from transformers import TrainerCallback, TrainingArguments
 
@@ -92,7 +94,7 @@ def train_trainer(batch: int, accumulation: int, parity: bool, folder: str) -> l
             trainer.step_loss = 0.0
 
     transformers.set_seed(0)
-    args = TrainingArguments(
+    settings = dict(
         output_dir=os.path.join(folder, "trainer"), use_cpu=True, seed=0,
         per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, num_train_epochs=1,
         learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -100,18 +102,24 @@ def train_trainer(batch: int, accumulation: int, parity: bool, folder: str) -> l
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
     )
+    args = TrainingArguments(**{**settings, **arguments})
     trainer = trainer_class(model=_model(), args=args, train_dataset=_dataset(), callbacks=[Losses()])
+    return trainer, losses
+
+
+def train_trainer(batch: int, accumulation: int, parity: bool, folder: str) -> list[float]:
+    """One epoch of ``transformers.Trainer``: every optimizer step's loss (:func:`make_trainer`)."""
+    trainer, losses = make_trainer(batch, accumulation, parity, folder)
     trainer.train()
     return losses
 
 
-def train_accelerate(batch: int, accumulation: int, parity: bool, folder: str) -> list[float]:
-    """One epoch of a plain ``accelerate`` loop (``accelerator.accumulate``), shuffled."""
+def prepare_accelerate(batch: int, accumulation: int) -> tuple:
+    """A fresh ``Accelerator`` and what it prepared: ``(accelerator, model, optimizer,
+    loader)``, the loader shuffled by its own generator."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
-
-    import compile_rng
 
     AcceleratorState._reset_state(True)  # the Trainer's, when both run in this process
     GradientState._reset_state()
@@ -122,6 +130,15 @@ def train_accelerate(batch: int, accumulation: int, parity: bool, folder: str) -
     loader = DataLoader(_dataset(), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(3))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
+    return accelerator, model, optimizer, loader
+
+
+def accelerate_epoch(accelerator, model, optimizer, loader, parity: bool, steps: int | None = None) -> list[float]:
+    """One epoch (or its first ``steps`` optimizer steps) of a plain ``accelerate`` loop
+    (``accelerator.accumulate``): every optimizer step's mean loss over the global batch."""
+    import compile_rng
+
+    accumulation = accelerator.gradient_accumulation_steps
     losses, step_loss = [], 0.0
     # the one line a user changes: the loader, wrapped
     batches = compile_rng.accelerate_batches(accelerator, loader) if parity else loader
@@ -135,7 +152,14 @@ def train_accelerate(batch: int, accumulation: int, parity: bool, folder: str) -
             if accelerator.sync_gradients:
                 losses.append(_mean_over_ranks(step_loss))
                 step_loss = 0.0
+                if len(losses) == steps:
+                    break
     return losses
+
+
+def train_accelerate(batch: int, accumulation: int, parity: bool, folder: str) -> list[float]:
+    """One epoch of a plain ``accelerate`` loop."""
+    return accelerate_epoch(*prepare_accelerate(batch, accumulation), parity)
 
 
 LOOPS = {"Trainer": train_trainer, "accelerate": train_accelerate}

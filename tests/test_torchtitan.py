@@ -30,6 +30,12 @@ without ``seed=`` (stages then derive their streams from ``seed + pp_rank``: the
 stage's drawn weights differ, the first stage's do not) differ from the reference.
 Run with ``-s`` to see how many parameters differ in each configuration.
 
+Resuming (the last test): torchtitan's own DCP ``CheckpointManager`` with
+``compile_rng.StreamState()`` in its ``states`` saves the stream at step 3 of 6; new
+processes load it and train steps 4-6 with the uninterrupted run's losses, bitwise (a
+llama3 with residual dropout added by hooks, in ``compile_rng.step``; the control leaves
+the stream out and differs).
+
 torchtitan on CPU/gloo needs: ``parallel_dims.device_type = "cpu"`` (it defaults to
 "cuda" on a machine without an accelerator) and ``spmd_backend="partial_dtensor"``.
 """
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import compile_rng
 from compile_rng.launch import spawn
@@ -49,7 +56,7 @@ SEED = 42
 DIM, LAYERS, HEADS, VOCAB = 64, 4, 4, 256
 
 
-def model_config():
+def model_config(n_layers: int = LAYERS):
     """A tiny torchtitan llama3 (its own layer builder and init settings) with CPU SDPA."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -62,7 +69,7 @@ def model_config():
     )
 
     layers = _build_llama3_layers(
-        n_layers=LAYERS, dim=DIM, n_heads=HEADS, hidden_dim=4 * DIM,
+        n_layers=n_layers, dim=DIM, n_heads=HEADS, hidden_dim=4 * DIM,
         rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=500000, scaling="llama"),
         attn_backend="flex", fuse_qkv=True,
     )
@@ -233,3 +240,141 @@ def test_four_ranks_fsdp2_x_tp_with_compile(reference, tmp_path):
     got = _run(4, {"FSDP2=2 x TP=2, compile": dict(pp=1, tp=2, ac=False, init="compile_rng")}, tmp_path)
     print(f"FSDP2=2 x TP=2, compile: {len(_differing(reference, got['FSDP2=2 x TP=2, compile']))} differ")
     assert _differing(reference, got["FSDP2=2 x TP=2, compile"]) == {}
+
+
+# --- resuming with torchtitan's own checkpointer ----------------------------------------
+#
+# torchtitan's CheckpointManager (DCP) with compile_rng.StreamState() in its ``states``, the
+# one line a torchtitan user adds where trainer.py builds it:
+#
+#     -            states={"train_state": self},
+#     +            states={"train_state": self, "compile_rng": compile_rng.StreamState()},
+#
+# torchtitan's llama3 has no dropout, so residual dropout (p=0.1, GPT-2's resid_dropout)
+# is added by forward hooks on every block's attention and feed_forward (module tree,
+# names and sharding plans unchanged); each step runs in compile_rng.step, FSDP2 over the
+# 2 gloo ranks by torchtitan's parallelize_llama, its set_determinism seeding, optimizer
+# and LR scheduler containers. float32: torchtitan's dtype table has no float64.
+
+STEPS, SAVED_AT, LOCAL_BATCH, SEQ = 6, 3, 2, 16
+
+
+def _dropout_hook(module, args, output):
+    return F.dropout(output, 0.1, training=module.training)
+
+
+class TrainState:
+    """The trainer's own ``states={"train_state": self}`` entry (its step)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+def _train(rank: int, world: int, resume: bool, with_stream: bool, folder: str, out: str) -> None:
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3 import parallelize_llama
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan picks "cuda" on a machine without one
+    torch.set_num_threads(1)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor")
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dist_utils.set_determinism(parallel_dims, torch.device("cpu"), DebugConfig(seed=SEED), distinct_seed_mesh_dims=["pp"])
+
+    # the trainer's order: meta model, parallelize, to_empty, init_weights, optimizer, ...
+    with torch.device("meta"):
+        model = model_config(n_layers=2).build()
+    model = parallelize_llama(
+        model, parallel_dims=parallel_dims, parallelism=parallelism, dump_folder=folder,
+        training=TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ, mixed_precision_param="float32"),
+        compile_config=CompileConfig(enable=False), ac_config=None,
+    )
+    for module in model.modules():  # gloo has no PREMUL_SUM (torchtitan's divide factor 1.0 asks for it)
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    for block in model.layers.values():  # residual dropout, without touching the model's code
+        block.attention.register_forward_hook(_dropout_hook)
+        block.feed_forward.register_forward_hook(_dropout_hook)
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
+    train_state = TrainState()
+    states = {"train_state": train_state}
+    if with_stream:
+        states["compile_rng"] = compile_rng.StreamState()  # the one line a torchtitan user adds
+    checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=SAVED_AT).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states=states, sd_adapter=None, base_folder=folder,
+    )
+    if resume:
+        assert checkpointer.load(step=SAVED_AT) and train_state.step == SAVED_AT
+        assert states.get("compile_rng", compile_rng.StreamState()).loaded == with_stream
+
+    # the data: a fixed global batch per step, rank r holding rows [r*b, (r+1)*b)
+    tokens = torch.randint(0, VOCAB, (STEPS, world * LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens = tokens[:, rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    dp_mesh = parallel_dims.get_mesh("fsdp")
+    losses = []
+    while train_state.step < STEPS:
+        train_state.step += 1
+        x, y = tokens[train_state.step - 1, :, :-1], tokens[train_state.step - 1, :, 1:]
+        optimizers.zero_grad()
+        with compile_rng.step(LOCAL_BATCH, data_parallel=dp_mesh):
+            # torchtitan's loss: a token sum over the global token count (FSDP does not divide)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / (world * y.numel())
+            loss.backward()
+        optimizers.step()
+        lr_schedulers.step()
+        checkpointer.save(train_state.step, last_step=train_state.step == STEPS)
+        losses.append(loss.detach().double())
+    checkpointer.close()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, compile_rng.get_state())
+    assert all(s == everyone[0] for s in everyone), everyone  # the ranks stay in step
+    torch.save(torch.stack(losses), f"{out}.{rank}")
+
+
+
+def test_torchtitans_checkpointer_resumes_the_stream_bitwise(tmp_path):
+    """6 steps with a checkpoint at step 3; new processes load it and train steps 4-6:
+    every loss equals the uninterrupted run's, and differs with the stream left out of
+    ``states`` (the control)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    runs = {}
+    for with_stream in (True, False):
+        folder = str(tmp_path / ("with" if with_stream else "without"))
+        for resume in (False, True):
+            out = f"{folder}-{'resume' if resume else 'whole'}"
+            spawn(_train, 2, resume, with_stream, folder, out)
+            runs[with_stream, resume] = [torch.load(f"{out}.{r}") for r in range(2)]
+        # the stream is in torchtitan's checkpoint, under DCP's flattened keys of the entry
+        saved = FileSystemReader(f"{folder}/checkpoint/step-{SAVED_AT}").read_metadata().state_dict_metadata
+        assert ("compile_rng.streams.cpu.offset" in saved) == with_stream, sorted(saved)
+    for rank in range(2):
+        whole, resumed = runs[True, False][rank], runs[True, True][rank]
+        assert whole.shape == (STEPS,) and resumed.shape == (STEPS - SAVED_AT,)
+        assert torch.equal(whole[SAVED_AT:], resumed), (whole, resumed)
+        assert torch.equal(runs[False, False][rank], whole)  # the stream in states changes no step
+        assert not torch.equal(runs[False, True][rank], whole[SAVED_AT:])  # the control: it can fail

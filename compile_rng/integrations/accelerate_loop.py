@@ -17,6 +17,16 @@ not is refused before it draws. The groups line up with accelerate's own as long
 counter restarts with the loader (``sync_with_dataloader``, the default) and the loader
 starts at a step boundary (a resumed loader, ``skip_first_batches``, must skip whole
 optimizer steps).
+
+Checkpoints: the first call registers a :class:`compile_rng.StreamState` with the
+accelerator (``register_for_checkpointing``), so ``accelerator.save_state`` saves the
+stream. A run that resumes registers its own before ``accelerator.load_state`` (the
+registration is how accelerate knows what to load): ``accelerate_batches`` then finds it
+and registers no other. A loader resumed mid-epoch (``skip_first_batches``) whose
+accelerator loaded no stream is refused: its steps would draw other numbers than the run
+that saved the checkpoint. (accelerate itself refuses a ``load_state`` whose checkpoint
+holds another number of registered objects than the accelerator: a checkpoint saved
+without the stream, or one loaded without registering it.)
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import Any
 
 from compile_rng.eager.batches import open_step
 from compile_rng.integrations import accelerate_rows
+from compile_rng.stream.checkpointing import StreamState
 
 
 def accelerate_batches(accelerator: Any, loader: Iterable[Any]) -> Iterator[Any]:
@@ -33,6 +44,7 @@ def accelerate_batches(accelerator: Any, loader: Iterable[Any]) -> Iterator[Any]
     microbatch of the optimizer step ``accelerator.accumulate`` puts it in."""
     world, rank = accelerator.num_processes, accelerator.process_index
     accelerate_rows.check_dealt_by_rounds(loader, world, even=True)
+    _checkpoint_the_stream(accelerator, loader)
     try:
         count = len(loader)
     except TypeError as e:
@@ -68,3 +80,21 @@ def accelerate_batches(accelerator: Any, loader: Iterable[Any]) -> Iterator[Any]
             with step.microbatch(rows):
                 yield batch
         step.finish()
+
+
+def _checkpoint_the_stream(accelerator: Any, loader: Any) -> None:
+    """Register the stream for the accelerator's checkpoints, once; refuse a loader resumed
+    mid-epoch on a stream that no checkpoint restored (see the module docstring)."""
+    # accelerate 1.15 keeps what register_for_checkpointing was given in _custom_objects
+    # and offers no public getter
+    ours = [o for o in getattr(accelerator, "_custom_objects", []) if isinstance(o, StreamState)]
+    skipped = accelerate_rows.skipped_batches(loader)
+    if skipped and not any(o.loaded for o in ours):
+        raise RuntimeError(
+            f"compile_rng.accelerate_batches: the loader resumes mid-epoch (it skips {skipped} batches), but "
+            "accelerator.load_state restored no compile_rng stream, so every step from here would draw other "
+            "numbers than the run that saved the checkpoint. Register it before loading: "
+            "accelerator.register_for_checkpointing(compile_rng.StreamState()); accelerator.load_state(...)"
+        )
+    if not ours:
+        accelerator.register_for_checkpointing(StreamState())

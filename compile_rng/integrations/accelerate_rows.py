@@ -56,6 +56,14 @@ def _shard(loader: Any) -> Any:
     return None
 
 
+def skipped_batches(loader: Any) -> int:
+    """How many batches a loader made by accelerate's ``skip_first_batches`` skips (0 for
+    any other loader): on its ``skip_batches`` (``SkipDataLoader``, or a loader whose
+    sampler cannot skip) or on its ``SkipBatchSampler``."""
+    holders = (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
+    return max((getattr(h, "skip_batches", 0) or 0) for h in holders)
+
+
 def check_dealt_by_rounds(loader: Any, world: int, *, even: bool = False) -> None:
     """Refuse a loader whose rows in the global batch are unknown (``world`` > 1):
     anything but the loaders ``Accelerator.prepare`` makes for data parallelism, one over

@@ -12,14 +12,24 @@ each ``training_step`` in its :meth:`~compile_rng.eager.batches.Step.microbatch`
 there: the Trainer's code between them draws as it would without the mixin), and closes
 the step after the last. So every sample draws the masks it draws in one process
 with the same global batch, whatever the number of ranks and the gradient accumulation.
+
+A checkpoint holds the stream where the Trainer keeps its own RNG states (its
+``_save_rng_state`` / ``_load_rng_state``): every rank writes
+``compile_rng_state_<rank>.json`` beside ``rng_state_<rank>.pth``, and
+``train(resume_from_checkpoint=...)`` restores it when the Trainer restores torch's, so a
+resumed run draws what the uninterrupted one drew (:mod:`compile_rng.stream.checkpointing`;
+a checkpoint without it is refused).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import warnings
+
 from compile_rng.eager.batches import Step, open_step
 from compile_rng.integrations import accelerate_rows
+from compile_rng.stream import checkpointing
 
 
 class TrainerMixin:
@@ -28,10 +38,35 @@ class TrainerMixin:
     Data parallelism is the Trainer's process group (DDP, or FSDP through accelerate);
     tensor or context parallelism (accelerate's ``ParallelismConfig``) and data loaders
     accelerate did not shard are refused rather than drawn at unknown rows.
+
+    Resuming from a checkpoint saved without compile_rng's state raises; set
+    ``compile_rng_resume_without_state = True`` on the Trainer to continue from it on the
+    stream the process is at (with a warning: the steps after it draw other numbers than
+    the run that saved it).
     """
 
+    compile_rng_resume_without_state = False
     _compile_rng_step: Step | None = None
     _compile_rng_left = 0
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        checkpointing.save_to_folder(output_dir, self.args.process_index, self.args.world_size)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        who = "compile_rng.TrainerMixin"
+        try:
+            checkpointing.load_from_folder(checkpoint, self.args.process_index, self.args.world_size, who)
+        except checkpointing.MissingStreamState as e:
+            if not self.compile_rng_resume_without_state:
+                raise checkpointing.MissingStreamState(
+                    f"{e}; or set compile_rng_resume_without_state = True on the Trainer to continue on this "
+                    "process's stream"
+                ) from None
+            warnings.warn(f"{e}; continuing on this process's stream (compile_rng_resume_without_state)", stacklevel=2)
 
     def get_train_dataloader(self):  # noqa: ANN201 - the Trainer's own signature
         # A new train(): a step a stopped loop left open (an exception or a callback between

@@ -47,6 +47,9 @@ from typing import Any, Protocol
 
 import torch
 
+#: The version of this contract. A saved stream position (``compile_rng.state_dict``)
+#: records it: the same position under another version draws other numbers.
+STREAM_VERSION = 1
 MASK32 = 0xFFFFFFFF
 UINT64 = 2**64
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57

@@ -69,8 +69,18 @@ def manual_seed(seed: int) -> None:
         getattr(torch, kind).manual_seed_all(seed)
 
 
+def load(streams: dict[str, tuple[int, int]], run: tuple[int, int] | None) -> None:
+    """Put every device's stream and the run position where a checkpoint left them. Counts
+    as a seeding: checks that ranks agree (:func:`seedings`) run again after it."""
+    for kind, (seed, offset) in streams.items():
+        set_state(seed, offset, kind)
+    set_run_position(run)
+    with _lock:
+        _seedings[0] += 1
+
+
 def seedings() -> int:
-    """How many times :func:`manual_seed` has run in this process."""
+    """How many times :func:`manual_seed` (or :func:`load`) has run in this process."""
     return _seedings[0]
 
 
