@@ -20,7 +20,6 @@ from compile_rng._torch.core_internals import lazy_attributes
 
 __all__ = [  # and the lazy names of _LAZY, added below
     "inductor_cache_dir",
-    "inductor_caches_enabled",
     "inductor_caches_off",
     "inductor_compile",
     "inductor_decompositions",
@@ -68,14 +67,6 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
-
-
-def inductor_caches_enabled() -> bool:
-    """Whether Inductor files and looks up its FX-graph artifacts in this process
-    (``fx_graph_cache`` on, ``force_disable_caches`` off)."""
-    from torch._inductor import config
-
-    return bool(config.fx_graph_cache) and not config.force_disable_caches
 
 
 def inductor_caches_off() -> Any:

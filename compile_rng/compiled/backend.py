@@ -25,7 +25,6 @@ from torch import fx
 from compile_rng._torch import dynamo_internals, inductor_internals
 from compile_rng.compiled import local_shards
 from compile_rng.compiled.inner_compilers import INNERS, compile_inner
-from compile_rng.compiled.job_compile import compiling_once
 from compile_rng.compiled.key_input import graph_device, key_table_rows, with_key_input
 from compile_rng.compiled.runtime import CompiledGraph
 from compile_rng.debug.dumps import dumping, write_plan
@@ -106,13 +105,12 @@ class Backend:
         # verify needs the ops' meshes, explain and dumps the pass's own record: the
         # pass runs for them (a filed plan has neither meshes nor this compile's dump)
         plan_from_cache = not (check or self.config.collect_unsupported or dumping())
-        with compiling_once(keyed_gm, inputs, self.config.inner):
-            start = time.perf_counter()  # after waiting for another rank's compile: this one's time
-            with tracker.tracing_for_backend(self.config.layout), dispatch_modes.graph_call():
-                compiled = compile_inner(
-                    self.config.inner, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
-                )
-            plan.compile_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        with tracker.tracing_for_backend(self.config.layout), dispatch_modes.graph_call():
+            compiled = compile_inner(
+                self.config.inner, keyed_gm, inputs, plan, inductor_patches, placeholders, plan_from_cache
+            )
+        plan.compile_seconds = time.perf_counter() - start
         self.plans.append(plan)
         write_plan(plan)
         graph = CompiledGraph(compiled, plan, placeholders, device, check, self.config.verify, output_layouts)
