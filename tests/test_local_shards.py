@@ -50,9 +50,11 @@ HOWS = ("compiled", "eager", "step", "checkpointed")
 class Scores(nn.Module):
     """Attention probabilities with dropout, on whatever heads this rank's q/k hold.
 
-    ``variant``: ``"scores"`` the probabilities; ``"flat"`` this rank's q flattened per
-    sample with literal sizes read off its local shape; ``"first_head"`` the first of
-    this rank's heads (a piece DTensor's rules cannot describe without moving data)."""
+    ``variant``: ``"scores"`` the probabilities; ``"checkpointed_core"`` the same computed
+    in ``checkpoint(self.core, q, k)`` (Megatron's order: the local pieces enter the
+    checkpointed region); ``"flat"`` this rank's q flattened per sample with literal sizes
+    read off its local shape; ``"first_head"`` the first of this rank's heads (a piece
+    DTensor's rules cannot describe without moving data)."""
 
     def __init__(self, variant: str = "scores"):
         super().__init__()
@@ -67,6 +69,11 @@ class Scores(nn.Module):
             return F.dropout(q.reshape(b, q.shape[1] * s * (D // H)), P)
         if self.variant == "first_head":
             return F.dropout(q[:, :1], P)
+        if self.variant == "checkpointed_core":
+            return torch.utils.checkpoint.checkpoint(self.core, q, k, use_reentrant=False)
+        return self.core(q, k)
+
+    def core(self, q, k):
         return F.dropout((q @ k.transpose(-1, -2)).softmax(-1), P)
 
 
@@ -118,10 +125,11 @@ GLOBAL_NUMEL = B * H * S * S
 
 
 @needs_view_rule
+@pytest.mark.parametrize("variant", ["scores", "checkpointed_core"])
 @pytest.mark.parametrize("how", ["compiled", "eager"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tracker_layout_ranks_draw_their_shard_counters(rank, how):
-    out, state = _on_rank(rank, "tracker", how)
+def test_tracker_layout_ranks_draw_their_shard_counters(rank, how, variant):
+    out, state = _on_rank(rank, "tracker", how, variant)
     n = B * (H // 2) * S * S
     # the tracker's layout of Shard(1) on (B, H, S, S): shard_linear_idx * numel(first shard)
     expected = _keep(ceil4(rank * n), n).view(LOCAL)
@@ -144,9 +152,9 @@ def _single_device(variant: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("variant, dim", [("scores", 1), ("flat", 1)])
+@pytest.mark.parametrize("variant, dim", [("scores", 1), ("checkpointed_core", 1), ("flat", 1)])
 def test_invariant_layout_assembles_to_the_single_device(variant, dim, how):
-    if variant == "scores" and not dtensor_views_flatten_sharded_dims():
+    if variant != "flat" and not dtensor_views_flatten_sharded_dims():
         pytest.skip("this torch's DTensor cannot flatten a sharded dim (torch 2.12+)")
     full = _single_device(variant)
     expected = _keep(0, full.numel()).view(full.shape)

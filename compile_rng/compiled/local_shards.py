@@ -33,9 +33,12 @@ Example (Llama's attention, TP=2, ``q_proj`` a plain ``ColwiseParallel()``)::
     # matrix (2, 4, 16, 16) at its Shard(1) counters (tracker or invariant layout)
     attn = ShardedCall(scaled_dot_product_attention, Shard(1) of (2, 4, 16, 16))(query_states, ...)
 
-A checkpointed region inside the graph (activation checkpointing applied before the
-compile, torchtitan's order) is a higher-order op with a subgraph: the analysis runs in the
-subgraph too, whose own ``to_local()`` calls start shard values there.
+A checkpointed region inside the graph is a higher-order op
+(``tag_activation_checkpoint``) with a subgraph: the analysis runs in the subgraph too,
+whose own ``to_local()`` calls start shard values there (activation checkpointing applied
+before the compile, torchtitan's order) and whose inputs are the shard values the region
+is given (``checkpoint(self.core, q, k)`` on local pieces, Megatron's order); what the
+region returns keeps its shard values outside it.
 
 Not covered: a shard that leaves the graph (a graph break between ``to_local`` and the
 random op) arrives in the next graph as a plain input and is drawn as a replica; keep
@@ -115,9 +118,9 @@ def _is_attention(node: fx.Node) -> bool:
 class _Analysis:
     """The shard values of one Dynamo graph, in program order."""
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, fake_mode: Any = None):
         self.values: dict[fx.Node, Any] = {}  # node -> its DTensor (shard value) or Lost
-        self.fake_mode: Any = None  # the mode of the graph's example values (of the first shard)
+        self.fake_mode: Any = fake_mode  # the mode of the graph's example values (of the first shard)
 
     def start(self, node: fx.Node) -> bool:
         """Whether ``node`` is a ``to_local()`` of a sharded DTensor (recorded then)."""
@@ -259,14 +262,17 @@ def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
     :class:`ShardedCall`; returns the layout of each of the graph's outputs (None for a
     replica), for the eager code that receives them. A graph without ``to_local()`` of
     a sharded DTensor is left as it is."""
-    analysis = _Analysis(gm.graph)
+    return [_output_layout(value) for value in _rewrite(gm, _Analysis())]
+
+
+def _rewrite(gm: fx.GraphModule, analysis: _Analysis) -> list[Any]:
+    """:func:`rewrite` with ``analysis`` holding the shard values ``gm`` starts with (its
+    placeholders' in a checkpointed region); returns its outputs' shard values."""
     count = 0
     for node in gm.graph.nodes:
-        for body in _bodies(gm, node):
-            # a checkpointed region (AC inside the compiled code) is a subgraph: its own
-            # to_local()s start shard values there; a piece it returns is lost out here
-            if any(layout is not None for layout in rewrite(body)):
-                analysis.values[node] = Lost(f"{_describe(node)} returns a TP rank's local piece")
+        if _bodies(gm, node):
+            count += _region(gm, node, analysis)
+            continue
         if node.op not in ("call_function", "call_method") or analysis.start(node):
             continue
         if not analysis.operands(node) or is_from_local(node):
@@ -286,7 +292,34 @@ def rewrite(gm: fx.GraphModule) -> list[Layout | Lost | None]:
         count += 1
     if count:
         gm.recompile()
-    return [_output_layout(analysis.values.get(n)) for n in tree_leaves(gm.graph.output_node().args)]
+    return [analysis.values.get(n) for n in tree_leaves(gm.graph.output_node().args)]
+
+
+def _region(gm: fx.GraphModule, node: fx.Node, analysis: _Analysis) -> bool:
+    """Analyse the subgraphs of the higher-order op ``node`` in place, recording what a
+    checkpointed region returns as ``node``'s shard value. ``tag_activation_checkpoint(body,
+    *operands)`` passes its operands to the body's placeholders in order (Dynamo lifts the
+    region's free tensors into them too). Another higher-order op given a shard value is
+    made a :class:`ShardedCall` that refuses its random ops; returns whether ``node`` was."""
+    checkpointed = higher_order_op_name(node.target) == "tag_activation_checkpoint"
+    given = [analysis.values.get(a) if isinstance(a, fx.Node) else None for a in node.args[1:]]
+    returned: list[Any] = []
+    for body in _bodies(gm, node):
+        inner = _Analysis(analysis.fake_mode)
+        if checkpointed:
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            inner.values.update((p, v) for p, v in zip(placeholders, given) if v is not None)
+        returned = _rewrite(body, inner)
+        analysis.fake_mode = analysis.fake_mode or inner.fake_mode
+    if not checkpointed and analysis.operands(node):
+        lost = Lost(f"{_describe(node)} is given a TP rank's local piece; compile_rng follows pieces into "
+                    "checkpointed regions only")
+        analysis.values[node] = lost
+        node.target, node.op = ShardedCall(node, lost), "call_function"
+        return True
+    if any(v is not None for v in returned):
+        analysis.values[node] = tuple(returned)
+    return False
 
 
 def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
