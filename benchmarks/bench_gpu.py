@@ -141,7 +141,8 @@ def graph_rows(n: int) -> list[dict]:
 def host_costs(n: int = 4096, reps: int = 300) -> str:
     """Microseconds of host time per call of a small draw (``n`` float32 elements: the GPU
     waits on the host), split into the layers a compile_rng draw passes: the custom op's
-    dispatch, the op's argument handling and launch plan, and Triton's launch."""
+    dispatch, the op's argument handling and launch plan, and Triton's launch; and a
+    dropout in a ``compile_rng.step`` against torch's."""
     import time
 
     from compile_rng import ops
@@ -163,29 +164,39 @@ def host_costs(n: int = 4096, reps: int = 300) -> str:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / reps * 1e6
 
+    x = torch.randn(64, n // 64, device=dev)
     rows = {
         "torch uniform_": lambda: out.uniform_(),
         "torch.empty": lambda: torch.empty(n, device=dev),
         "compile_rng ops.uniform (custom op)": lambda: ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32),
+        "ops.call (the kernel, no dispatch)": lambda: ops.call(
+            torch.ops.compile_rng.uniform.default, key, 0, [n], [1], 0.0, 1.0, torch.float32),
         "accelerator_ops.uniform (no dispatch)": lambda: ao.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32),
         "triton_kernels.plan only": lambda: tk.plan(tk.UNIFORM, out, key, 0, [1], a=0.0, b=1.0),
         "Triton launch only": lambda: tk._stream_kernel[step.grid](*step.args, **constexprs, **tk.OPTIONS),
+        "torch F.dropout (stock)": lambda: F.dropout(x, 0.1),
     }
     lines = [f"  {name:<40}{per_call(fn):8.1f} us/call" for name, fn in rows.items()]
+    # what an eager model pays: a dropout inside a step (its microbatch's rows of the batch)
+    import compile_rng
+
+    with compile_rng.step(x.shape[0]):
+        lines.append(f"  {'F.dropout in a compile_rng.step':<40}{per_call(lambda: F.dropout(x, 0.1)):8.1f} us/call")
     # where a compile_rng call's host time goes, function by function
     import cProfile
     import io
     import pstats
 
     profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(reps):
-        ops.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32)
-    torch.cuda.synchronize()
-    profile.disable()
+    with compile_rng.step(x.shape[0]):
+        profile.enable()
+        for _ in range(reps):
+            F.dropout(x, 0.1)
+        torch.cuda.synchronize()
+        profile.disable()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
-    return "\n".join(lines) + f"\n\ncProfile of {reps} ops.uniform calls:\n" + text.getvalue()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    return "\n".join(lines) + f"\n\ncProfile of {reps} F.dropout calls in a step:\n" + text.getvalue()
 
 
 def ncu_launches(n: int) -> None:

@@ -131,3 +131,31 @@ def test_refused_op_raises_when_compiled():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="aten.poisson.default: it has no counter-based form"):
         torch.compile(lambda x: torch.poisson(x), backend=compile_rng.backend(inner="aot_eager"))(torch.ones(4))
+
+
+def _value(argument):
+    kind = str(argument.type)
+    if "Tensor" in kind:
+        return torch.ones(2, 3)
+    return [2, 3] if "[]" in kind else 0.25 if "float" in kind else True if "bool" in kind else 1
+
+
+@pytest.mark.parametrize("op", sorted(set(RULES) | set(INPLACE), key=str), ids=str)
+def test_arguments_are_named_as_torch_fx_names_them(op):
+    """compile_rng's own binder of random ops' arguments (read once per op, for speed)
+    against torch.fx's ``normalize_function``, for every count of positional arguments."""
+    from torch.fx.operator_schemas import normalize_function
+
+    from compile_rng.semantics.random_ops import normalized_arguments
+
+    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    required = sum(not a.has_default_value() for a in positional)
+    keywords = {a.name: _value(a) for a in op._schema.arguments if a.kwarg_only and "Generator" not in str(a.type)
+                and a.name not in ("out", "dtype", "layout", "device", "pin_memory", "memory_format")}
+    for count in range(required, len(positional) + 1):
+        args = tuple(_value(a) for a in positional[:count])
+        expected = dict(normalize_function(op, args, keywords, normalize_to_only_use_kwargs=True).kwargs)
+        got = normalized_arguments(op, args, keywords)
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert got[name] is value or (type(got[name]) is type(value) and got[name] == value), name

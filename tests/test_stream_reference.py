@@ -304,3 +304,46 @@ def test_an_output_is_allocated_once(monkeypatch):
         assert ops.uniform(key, 0, [64], [1], 0.0, 1.0, dtype).dtype == dtype
     assert ops.bernoulli(key, 0, [8, 8], [1, 8], 0.5, torch.bfloat16).dtype == torch.bfloat16  # a transposed window
     assert made == []
+
+
+_CALLS = [  # (op, arguments after the key): every functional op
+    (torch.ops.compile_rng.uniform.default, (4, [3, 5], [5, 1], -1.0, 2.0, torch.float32)),
+    (torch.ops.compile_rng.normal.default, (4, [3, 5], [5, 1], 0.5, 2.0, torch.float64)),
+    (torch.ops.compile_rng.exponential.default, (8, [7], [1], 1.5, torch.float32)),
+    (torch.ops.compile_rng.bernoulli.default, (0, [9], [1], 0.3, torch.float32)),
+    (torch.ops.compile_rng.bernoulli_tensor.default, (0, torch.linspace(0, 1, 6), [1], torch.float32)),
+    (torch.ops.compile_rng.dropout.default, (12, torch.ones(2, 6), [6, 1], 0.25)),
+    (torch.ops.compile_rng.randint.default, (0, [10], [1], -3, 9, torch.int64)),
+    (torch.ops.compile_rng.random_bits.default, (4, [5], [1])),
+]
+
+
+@pytest.mark.parametrize("op, args", _CALLS, ids=[str(op) for op, _ in _CALLS])
+def test_eager_calls_skip_the_custom_ops_dispatch_and_draw_its_values(op, args):
+    from torch.profiler import profile
+
+    key = ops.make_key(2**64 - 9, 2**40)
+    with profile() as prof:
+        direct = ops.call(op, key, *args)
+    assert not any(e.name == op.name() for e in prof.events())  # the kernel, called directly
+    with profile() as prof:
+        through = op(key, *args)
+    assert any(e.name == op.name() for e in prof.events())  # the profiler sees a dispatched op
+    for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (direct, through))):
+        assert torch.equal(a, b)
+
+
+def test_a_call_under_a_dispatch_mode_goes_through_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    op, args = _CALLS[0]
+    with Recording():
+        ops.call(op, ops.make_key(1, 0), *args)
+    assert op in seen

@@ -27,8 +27,6 @@ from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,
-    detect_fake_mode,
-    get_proxy_mode,
     higher_order_op_name,
     is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
@@ -102,7 +100,7 @@ class _TensorCall(RandomCall):
         into = cr_ops.INTO.get(target)
         if self.out is not None and into is not None and into(self.out, self.key, self.offset, *args):
             return self.out
-        return target(self.key, self.offset, *args)
+        return cr_ops.call(target, self.key, self.offset, *args)
 
     def apply(self, target, *args, **kwargs):
         return target(*args, **kwargs)
@@ -263,8 +261,9 @@ def _draw(func: OpOverload, kw: dict, key, offset, strides, size: list, dtype: t
     an in-place op's values land in its ``kw["input"]``, which is returned."""
     functional = INPLACE.get(func, func)
     inplace = func is not functional
-    # Writing straight into the target needs real values (not while a graph is traced).
-    direct = inplace and get_proxy_mode() is None and detect_fake_mode() is None
+    # Writing straight into the target needs real values: a plain tensor, no mode that
+    # traces or intercepts (checked as cheaply as possible: this runs for every draw)
+    direct = inplace and type(kw["input"]) is torch.Tensor and current_dispatch_mode() is None
     call = _TensorCall(functional, kw, key, offset, strides, size, dtype, out=kw["input"] if direct else None)
     result = RULES[functional](call)
     if inplace:

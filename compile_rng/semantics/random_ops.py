@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from compile_rng import ops as _ops  # noqa: F401  (registers torch.ops.compile_rng)
-from compile_rng._torch.core_internals import OpOverload, op_name
+from compile_rng._torch.core_internals import OpOverload, op_arguments, op_name
 
 aten = torch.ops.aten
 cr = torch.ops.compile_rng
@@ -26,12 +26,33 @@ prims = torch.ops.prims
 
 
 def normalized_arguments(op: OpOverload, args: tuple, kwargs: dict) -> dict:
-    """``op``'s arguments by name (positional ones too), as its schema names them; the
-    eager modes and the graph pass read random ops' arguments through this one view."""
-    from torch.fx.operator_schemas import normalize_function
+    """``op``'s arguments by name (positional ones too, absent ones at their schema
+    defaults), as its schema names them; the eager modes and the graph pass read random
+    ops' arguments through this one view. An eager random op in a step pays for it on
+    every call, so the schema is read once per op (torch.fx's ``normalize_function``
+    binds the same way through ``inspect``, at several times the cost)."""
+    names, defaults = _schema_of(op)
+    if len(args) > len(names):
+        raise TypeError(f"{op} takes {len(names)} arguments, got {len(args)} positional ones")
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
 
-    normalized = normalize_function(op, args, kwargs, normalize_to_only_use_kwargs=True)
-    return dict(normalized.kwargs) if normalized is not None else dict(kwargs)
+
+_schemas: dict[Any, tuple[tuple[str, ...], dict[str, Any]]] = {}
+
+
+def _schema_of(op: OpOverload) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """``(argument names in order, their defaults)`` of ``op``'s schema (None where an
+    argument has no default; ``self`` named ``input``, as torch.fx names it)."""
+    found = _schemas.get(op)
+    if found is None:
+        arguments = op_arguments(op)
+        names = tuple("input" if a.name == "self" else a.name for a in arguments)
+        found = names, {n: a.default_value if a.has_default_value() else None for n, a in zip(names, arguments)}
+        _schemas[op] = found
+    return found
 
 
 class RandomCall(ABC):
