@@ -36,6 +36,7 @@ from typing import Any
 
 from compile_rng.eager.batches import open_step
 from compile_rng.integrations import accelerate_rows
+from compile_rng.semantics import verify
 from compile_rng.stream.checkpointing import StreamState
 
 
@@ -67,9 +68,10 @@ def accelerate_batches(accelerator: Any, loader: Iterable[Any]) -> Iterator[Any]
             rows = accelerate_rows.rows_of(batch)
             per_rank = rows if per_rank is None else per_rank
             if step is None:  # the step's rows are known once its first batch is: every rank's n batches alike
+                if first == 0:
+                    _check_ranks_batch(group, per_rank)
                 mine = accelerate_rows.positions([[per_rank] * n] * world, rank)
-                total = per_rank * n * world
-                step = open_step(per_rank * n, data_parallel=group, global_batch=None if group else total, rows=mine)
+                step = open_step(per_rank * n, global_batch=per_rank * n * world, rows=mine)
             if rows != per_rank:
                 raise NotImplementedError(
                     f"compile_rng.accelerate_batches: batch {index} holds {rows} rows, not the {per_rank} of the "
@@ -80,6 +82,17 @@ def accelerate_batches(accelerator: Any, loader: Iterable[Any]) -> Iterator[Any]
             with step.microbatch(rows):
                 yield batch
         step.finish()
+
+
+def _check_ranks_batch(group: Any, rows: int) -> None:
+    """Every rank's batches must hold ``rows`` rows, as this rank's do (checked once per
+    loader: a batch that differs from its loader's first is refused where it comes), for
+    the steps' rows to be known without communicating."""
+    verify.require_agreement(
+        [group] if group is not None else [], (rows,), ("rows per batch",),
+        "compile_rng.accelerate_batches: the ranks' loaders deal batches of different sizes",
+        "Give every rank's loader the same batch size (accelerate's prepare does)",
+    )
 
 
 def _checkpoint_the_stream(accelerator: Any, loader: Any) -> None:

@@ -120,10 +120,15 @@ def positions(sizes: Sequence[Sequence[int]], rank: int) -> list[int]:
     return mine
 
 
-def gather_sizes(mine: Sequence[int], device: torch.device) -> list[list[int]]:
-    """Every data-parallel rank's microbatch sizes (two small all-gathers on the world group)."""
+def gather_sizes(mine: Sequence[int], device: torch.device, length: int) -> list[list[int]]:
+    """Every data-parallel rank's microbatch sizes, each padded with 0 (a rank that ran out
+    of data) to ``length``, the most any rank can hold: one small all-gather on the world
+    group."""
     import torch.distributed as dist
 
+    if len(mine) > length:
+        raise ValueError(f"compile_rng: {len(mine)} microbatches in a step of at most {length}")
+    padded = [*mine, *[0] * (length - len(mine))]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [list(mine)]
-    return verify.gather_int_lists(mine, dist.group.WORLD, device)
+        return [padded]
+    return verify.gather_int_lists(padded, dist.group.WORLD, device, [length] * dist.get_world_size())

@@ -92,13 +92,10 @@ class TrainerMixin:
                 "of the last one not run through training_step"
             )
         sizes = [accelerate_rows.rows_of(b) for b in batches]
-        everyone = accelerate_rows.gather_sizes(sizes, self.accelerator.device)
+        # the step's one collective: every rank then knows every rank's rows
+        everyone = accelerate_rows.gather_sizes(sizes, self.accelerator.device, num_batches)
         mine = accelerate_rows.positions(everyone, self.accelerator.process_index)
-        import torch.distributed as dist
-
-        group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
-        total = sum(map(sum, everyone))
-        step = open_step(sum(sizes), data_parallel=group, global_batch=None if group else total, rows=mine)
+        step = open_step(sum(sizes), global_batch=sum(map(sum, everyone)), rows=mine)
         if batches:
             self._compile_rng_step, self._compile_rng_left = step, len(batches)
         else:  # this rank's data ran out: it took part in the step's collectives, and draws nothing
