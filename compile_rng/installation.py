@@ -19,17 +19,27 @@ compile_rng's CPU stream on exit                            leaves the training 
                                                             init helpers ask it before seeding
 ``DTensor._op_dispatcher._custom_op_handlers`` for the      DTensor runs those ops without a region
 in-place ops DTensor leaves unrouted (``exponential_``...)
+DTensor's op dispatcher reads that table per thread         a mesh compile_rng does not serve gets
+(a property; the table itself is unchanged)                 DTensor's own dispatch of those ops in
+                                                            its own thread, other threads the handler
 ``_dispatch.run_dtensor_rng_op`` wrapped (2.12+): with     DTensor's accelerator branch runs random
 the tracker's offsets it runs the op in the tracker's       ops through it, not through the region
 region                                                      (2.11 has no such branch)
 ``DTensor.to_local`` wrapped: inside compile_rng's eager    a plain TP plan's eager code draws on
 stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager.eager_shards`)
+two global module forward hooks (torch's public             ``step(names=...)`` names each eager
+``register_module_forward_pre_hook`` and                    random op by the module that runs it
+``register_module_forward_hook``), at the first step        (:mod:`~compile_rng.eager.activation_names`)
+with ``names=``; outside one they return at once
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng._torch`'s homes.
 The DTensor items are made when ``torch.distributed.tensor`` is imported (at once if it
 already is): ``import compile_rng`` imports neither DTensor nor Dynamo, which keeps it
-within a third of ``import torch``.
+within a third of ``import torch``. The module hooks wait for the first step with
+``names=``: a process that names nothing pays no Python hook on every module call (nor
+torch's warning on ``torch.compile(module)`` under global hooks); then they stay until
+:func:`uninstall`, not one step: Dynamo guards a compiled module on the global hooks.
 
 The changes that last for a call or a block, not for the installation, are made by the
 layers below that need them, through :mod:`compile_rng._torch`
@@ -51,6 +61,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from compile_rng import stream
 from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
@@ -60,6 +71,7 @@ from compile_rng.semantics import local_values
 from compile_rng.stream import state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
+_module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
 #: (pyproject's ``torch>=2.11,<2.16``).
@@ -111,13 +123,20 @@ def install() -> None:
     # tracker is installed once its module is complete.
     after_import("torch.distributed.tensor", _import_tracker)
     after_import("compile_rng.eager.tracker", _install_tracker)
+    after_import("compile_rng.eager.activation_names", _offer_module_hooks)
 
 
 def uninstall() -> None:
-    """Give torch back its own seeding, ``trunc_normal_`` and DTensor tracker.
-    compile_rng's functions stay usable; :func:`install` (or :func:`manual_seed`)
-    installs it again."""
+    """Give torch back its own seeding, ``trunc_normal_``, DTensor tracker and module hooks.
+    compile_rng's functions stay usable (a step with ``names=`` needs the hooks: it
+    refuses); :func:`install` (or :func:`manual_seed`) installs it again."""
     cancel_pending()
+    names = sys.modules.get("compile_rng.eager.activation_names")
+    if names is not None:
+        names.set_hooks_installer(None)
+    for handle in _module_hooks:
+        handle.remove()
+    _module_hooks.clear()
     if "manual_seed" in _stock:
         torch.random.manual_seed = _stock["manual_seed"]
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
@@ -142,6 +161,7 @@ def uninstall() -> None:
         for op in unrouted_ops.UNROUTED:
             if handlers.get(op) is unrouted_ops.inplace_handler:
                 del handlers[op]
+        dtensor_internals.set_op_handlers_per_thread(False)
     _stock.clear()
 
 
@@ -211,9 +231,23 @@ def _install_tracker(tracker: ModuleType) -> None:
     dtensor_internals.set_rng_tracker(tracker.TRACKER)
     from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
+    # the handlers hand a mesh compile_rng does not serve to DTensor's own dispatch, in the
+    # calling thread only (dtensor_internals.dtensor_dispatch_unhandled)
+    dtensor_internals.set_op_handlers_per_thread(True)
     handlers = dtensor_internals.dtensor_op_handlers()
     for op in unrouted_ops.UNROUTED:
         handlers[op] = unrouted_ops.inplace_handler
+
+
+def _offer_module_hooks(names: ModuleType) -> None:
+    # The first step with names= asks for the hooks (activation_names.require_hooks).
+    names.set_hooks_installer(functools.partial(_install_module_hooks, names))
+
+
+def _install_module_hooks(names: ModuleType) -> None:
+    if not _module_hooks:
+        _module_hooks.append(nn_module.register_module_forward_pre_hook(names.enter_hook))
+        _module_hooks.append(nn_module.register_module_forward_hook(names.leave_hook, always_call=True))
 
 
 def _to_local_hook(stock: Callable) -> Callable:

@@ -29,3 +29,22 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     ib = torch.where(ib < 0, sign - ib, ib)
     return int((ia - ib).abs().max()) if a.numel() else 0
 
+
+
+def cache_outcome(compile_and_run) -> str:
+    """Run ``compile_and_run`` (a fresh ``torch.compile`` and its call) after
+    ``torch._dynamo.reset()``: ``"served"`` where the compile caches served its graphs
+    (AOTAutograd's cache, or Inductor's FX-graph cache for every graph), ``"compiled"``
+    where Inductor compiled one and filed it, ``"bypassed"`` where the caches were not asked."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compile_and_run()
+    aot, fx = dict(counters["aot_autograd"]), dict(counters["inductor"])
+    if aot.get("autograd_cache_hit") or (fx.get("fxgraph_cache_hit") and not fx.get("fxgraph_cache_miss")):
+        return "served"
+    if fx.get("fxgraph_cache_miss"):
+        return "compiled"
+    assert fx.get("fxgraph_cache_bypass"), f"no cache outcome: {aot}, {fx}"
+    return "bypassed"

@@ -162,14 +162,48 @@ def test_a_rank_never_runs_the_graph_another_rank_traced(tmp_path):
     assert first[0]["values"] != first[1]["values"]
 
 
-def test_the_pass_uuid_names_sources_and_layout_not_the_rank():
-    from compile_rng.compiled.joint_pass import JointPass, source_hash
-    from compile_rng.passes.plan import RngPlan
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    import torch
 
-    import torch._functorch.config as functorch_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield tmp_path
+    torch._dynamo.reset()
 
-    tracker = JointPass(RngPlan(name="g", layout="tracker")).uuid()
-    assert tracker == (source_hash(), "tracker", False, False, functorch_config.donated_buffer, None)
-    assert JointPass(RngPlan(name="other", layout="tracker")).uuid() == tracker  # graph names do not matter
-    assert JointPass(RngPlan(name="g", layout="invariant")).uuid() != tracker
-    assert JointPass(RngPlan(name="g", layout="tracker"), user_pass=lambda g: None).uuid() is None  # bypass
+
+def _dropout_twice(x):
+    import torch.nn.functional as F
+
+    return F.dropout(x, 0.25) * 2
+
+
+def _also_dropout_twice(x):  # another function (another graph name), the same code
+    import torch.nn.functional as F
+
+    return F.dropout(x, 0.25) * 2
+
+
+def test_the_caches_compile_again_for_other_sources_or_layout_not_for_another_graph_name(cache_dir, monkeypatch):
+    """compile_rng's rewrite is in the compile caches' keys: an unchanged program is served
+    from them, one compiled with another layout or by another compile_rng (its sources
+    changed: an upgrade) compiles again, and the graph's name does not matter. A joint pass
+    of the user's that has no key of its own leaves the caches out."""
+    import torch
+
+    import compile_rng
+    from compile_rng.compiled import joint_pass
+    from helpers import cache_outcome
+
+    def run(fn=_dropout_twice, options=None, **backend):
+        compiled = torch.compile(fn, backend=compile_rng.backend(**backend), options=options)
+        return lambda: compiled(torch.ones(6, 5))
+
+    assert cache_outcome(run()) == "compiled"
+    assert cache_outcome(run()) == "served"
+    assert cache_outcome(run(_also_dropout_twice)) == "served"
+    assert cache_outcome(run(layout="invariant")) == "compiled"
+    assert cache_outcome(run(options={"joint_custom_pre_pass": lambda graph: None})) == "bypassed"
+    monkeypatch.setattr(joint_pass, "source_hash", lambda: "the sources of another compile_rng")
+    assert cache_outcome(run()) == "compiled"
+    assert cache_outcome(run()) == "served"

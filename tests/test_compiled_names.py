@@ -283,17 +283,27 @@ def test_a_backward_in_two_halves_regenerates_the_forward_masks():
         assert torch.equal(got, want), name
 
 
-def test_the_compile_cache_key_holds_the_donated_buffer_setting():
+def test_a_change_of_the_donated_buffer_setting_compiles_again(tmp_path, monkeypatch):
+    """A graph compiled and cached with donated buffers is not served to a compile without
+    them (its backward would overwrite the saved tensors a second half reads), nor the
+    other way round; an unchanged setting is served from the caches."""
     import torch._functorch.config as functorch_config
+    from helpers import cache_outcome
 
-    from compile_rng.compiled.joint_pass import JointPass
-    from compile_rng.passes.plan import RngPlan
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
-    joint_pass = JointPass(RngPlan(name="g", layout="invariant"))
+    def run():
+        compiled = torch.compile(lambda x: (F.dropout(x, 0.5) * x).sum(), backend=compile_rng.backend())
+        return lambda: compiled(torch.ones(8, requires_grad=True)).backward()
+
     with functorch_config.patch(donated_buffer=True):
-        donating = joint_pass.uuid()
+        assert cache_outcome(run()) == "compiled"
     with functorch_config.patch(donated_buffer=False):
-        assert joint_pass.uuid() != donating
+        assert cache_outcome(run()) == "compiled"
+        assert cache_outcome(run()) == "served"
+    with functorch_config.patch(donated_buffer=True):
+        assert cache_outcome(run()) == "served"
+    torch._dynamo.reset()
 
 
 def test_a_graph_compiled_with_donated_buffers_refuses_to_run_without_them():

@@ -108,26 +108,46 @@ def test_collective_device_follows_the_backend(monkeypatch, backend, device):
 
 
 def test_the_step_and_verify_build_their_collectives_on_an_nccl_groups_device(monkeypatch):
-    """On a group whose backend says NCCL, every collective tensor compile_rng builds is
-    a CUDA tensor: here (no GPU) building it fails in torch's CUDA initialization, which
-    shows where it was built; a CPU tensor would have reached the (fake) collective."""
+    """On a group whose backend says NCCL, every collective tensor compile_rng builds is on
+    the device :func:`~compile_rng.semantics.verify.collective_device` chooses for the
+    group: CUDA. ``meta`` stands in for the chosen device, so the tensors can be built on
+    any machine; each collective records its tensors' devices and stops the call there."""
     import torch.distributed as dist
     from dtensor_reference import fake_rank
 
     from compile_rng.semantics import verify
 
+    class Reached(Exception):
+        pass
+
+    chosen, built = [], []
+    choose = verify.collective_device
+
+    def stand_in(group=None):
+        chosen.append(choose(group))
+        return torch.device("meta")
+
+    def collective(*args, **kwargs):
+        tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+        built.append({t.device.type for t in tensors})
+        raise Reached
+
     def gather_objects(into, mine, group=None):
         into[:] = [mine] * len(into)
 
-    on_cuda = pytest.raises((AssertionError, RuntimeError), match="(?i)cuda|nvidia|driver")
-    with fake_rank(0, 2):
-        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-        monkeypatch.setattr(dist, "all_gather_object", gather_objects)
-        with on_cuda:  # the rows of this rank: one all-gather of the local batch sizes
+    with fake_rank(0, 2), monkeypatch.context() as m:
+        m.setattr(dist, "get_backend", lambda group=None: "nccl")
+        m.setattr(verify, "collective_device", stand_in)
+        m.setattr(dist, "all_gather_object", gather_objects)
+        m.setattr(dist, "all_gather", collective)
+        m.setattr(dist, "all_reduce", collective)
+        with pytest.raises(Reached):  # the rows of this rank: one all-gather of the local batch sizes
             with compile_rng.step(4, data_parallel=dist.group.WORLD):
                 pass
-        with on_cuda:  # the rank-agreement check of a step with names
+        with pytest.raises(Reached):  # the rank-agreement check of a step with names
             with compile_rng.step(4, names=torch.nn.Linear(2, 2)):
                 pass
-        with on_cuda:  # verify=True's check before a compiled call
+        with pytest.raises(Reached):  # verify=True's check before a compiled call
             verify.check("graph", 0, 0, "sig", [dist.group.WORLD])
+    assert chosen == [torch.device("cuda")] * 3
+    assert built == [{"meta"}] * 3

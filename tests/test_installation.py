@@ -110,6 +110,37 @@ def test_uninstall_gives_torch_back_and_install_restores():
     assert compile_rng.get_state() == (5, 0)
 
 
+def _compile_rng_module_hooks() -> list[tuple[str, int]]:
+    """``(table, handle id)`` of each global forward hook compile_rng has registered with torch."""
+    from torch.nn.modules import module as nn_module
+
+    tables = {"pre-hooks": nn_module._global_forward_pre_hooks, "hooks": nn_module._global_forward_hooks}
+    ours = [(name, key) for name, table in tables.items() for key, hook in table.items()
+            if hook.__module__.startswith("compile_rng")]
+    # an always_call hook has its id in a third table too
+    return ours + [("always called", key) for _, key in ours if key in nn_module._global_forward_hooks_always_called]
+
+
+def test_uninstall_removes_the_module_hooks_a_named_step_installed():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    with compile_rng.step(2, names=model):
+        model(torch.ones(2, 4))
+    assert [table for table, _ in _compile_rng_module_hooks()] == ["pre-hooks", "hooks", "always called"]
+    compile_rng.uninstall()
+    try:
+        assert _compile_rng_module_hooks() == []  # no Python hook on every module call of stock torch
+        with pytest.raises(RuntimeError, match="uninstalled"), compile_rng.step(2, names=model):
+            pass
+        assert _compile_rng_module_hooks() == []
+    finally:
+        compile_rng.install()
+    assert _compile_rng_module_hooks() == []  # installed again at the next step with names, once
+    for _ in range(2):
+        with compile_rng.step(2, names=model):
+            model(torch.ones(2, 4))
+    assert [table for table, _ in _compile_rng_module_hooks()] == ["pre-hooks", "hooks", "always called"]
+
+
 def test_an_unsupported_torch_is_refused_before_anything_changes():
     """Outside the checked releases (2.11-2.15) importing compile_rng raises ImportError
     naming the range, and torch stays stock (a release whose private modules differ could

@@ -14,6 +14,7 @@ machine has) as stock torch has them. It pins the branch logic DTensor's dispatc
 """
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ import torch.distributed.tensor._random as dtensor_random
 from dtensor_reference import ceil4, counters, fake_rank, local_zeros, needs_accelerator_branch, uniform
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import compile_rng
+from compile_rng._torch.core_internals import torch_release
 from compile_rng.eager import unrouted_ops
 from compile_rng.stream import state
 
@@ -148,3 +151,55 @@ def test_op_handlers_still_serve_cpu_meshes():
         compile_rng.manual_seed(9)
         t.exponential_()
         assert compile_rng.get_state() == (9, ceil4(4 * 3))  # compile_rng's stream advanced by ceil4(numel(global))
+
+
+class _PauseInStockDispatch(TorchDispatchMode):
+    """In the thread that enters it: at the first ``exponential_``, say so (``inside``) and
+    wait for ``resume`` before running it."""
+
+    def __init__(self, inside: threading.Event, resume: threading.Event):
+        super().__init__()
+        self.inside, self.resume = inside, resume
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.exponential_.default and not self.inside.is_set():
+            self.inside.set()
+            assert self.resume.wait(60), "the other thread did not finish"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(torch_release(torch.__version__) < (2, 12), reason="torch 2.11's own DTensor dispatch has no sharding "
+                    "strategy for exponential_ (it raises, threads or not)")
+def test_a_stock_dispatch_in_one_thread_leaves_the_handler_to_the_others():
+    """While one thread hands ``exponential_`` to DTensor's own dispatch (what the handler
+    does for a mesh compile_rng does not serve), the same op in another thread, on a CPU
+    mesh, still runs compile_rng's handler: the handler table is the same for every
+    thread (stepping the handler out of it for the call gave the other thread stock torch's
+    draw from its own generator)."""
+    from compile_rng._torch.dtensor_internals import dtensor_dispatch_unhandled
+
+    inside, resume, failed = threading.Event(), threading.Event(), []
+    with fake_rank(0, 2):
+        mesh = DeviceMesh("cpu", [0, 1])
+        stocks, served = local_zeros((4, 3), mesh, [Shard(0)]), local_zeros((4, 3), mesh, [Shard(0)])
+
+        def hand_to_stock_dispatch():
+            try:
+                with _PauseInStockDispatch(inside, resume):
+                    dtensor_dispatch_unhandled(torch.ops.aten.exponential_.default, (stocks,), {})
+            except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+                failed.append(e)
+                inside.set()
+
+        other = threading.Thread(target=hand_to_stock_dispatch)
+        compile_rng.manual_seed(9)
+        other.start()
+        try:
+            assert inside.wait(60)
+            served.exponential_()  # meanwhile, in this thread
+        finally:
+            resume.set()
+            other.join(60)
+        assert not failed, failed
+        assert compile_rng.get_state() == (9, ceil4(4 * 3))  # compile_rng's handler drew, and only it
+        assert (stocks.to_local() > 0).all()  # the stock dispatch ran too, on torch's generator

@@ -21,12 +21,13 @@ reads them through these homes, with two kinds of exception, listed here for
 
 * :data:`TEMPORARY_PATCHES`, which live in the homes beside what they patch, each named
   in its home's docstring: two cache patches that last only for the backend's own
-  compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), and two DTensor
-  dispatch patches that last for one op call or a block (``dtensor_dispatch_unhandled``,
-  ``dtensor_operands_kept``), which eager and traced code below the installer use, and
-  one on pipeline stages that lasts for a step (``pipeline_chunks_wrapped``);
+  compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), a DTensor dispatch
+  patch that lasts for a block (``dtensor_operands_kept``), which traced code below the
+  installer uses, and one on pipeline stages that lasts for a step
+  (``pipeline_chunks_wrapped``);
 * :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
-  (DTensor's tracker slot, handler table and dispatcher), which only the installer calls.
+  (DTensor's tracker slot, handler table and dispatcher, and the dispatcher's per-thread
+  reading of the table), which only the installer calls.
 """
 
 #: ``(home, function)`` of each function of a home that changes torch for one call or the
@@ -35,15 +36,16 @@ reads them through these homes, with two kinds of exception, listed here for
 TEMPORARY_PATCHES: tuple[tuple[str, str], ...] = (
     ("dynamo_internals", "autograd_cache_keys"),
     ("inductor_internals", "rank_free_mesh_cache_keys"),
-    ("dtensor_internals", "dtensor_dispatch_unhandled"),
     ("dtensor_internals", "dtensor_operands_kept"),
     ("distributed_internals", "pipeline_chunks_wrapped"),
 )
 
 #: Accessors of ``dtensor_internals`` that set or hand out torch's mutable state: only
 #: compile_rng.installation calls them (DTensor's tracker slot, its per-op handler table,
-#: its op dispatcher).
-INSTALLER_ONLY: tuple[str, ...] = ("set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher")
+#: its op dispatcher, and the dispatcher's per-thread reading of that table).
+INSTALLER_ONLY: tuple[str, ...] = (
+    "set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher", "set_op_handlers_per_thread",
+)
 
 #: ``(module path, class, private name, reason with the torch versions checked)`` of each
 #: private torch method or field a compile_rng class outside the homes overrides or sets.

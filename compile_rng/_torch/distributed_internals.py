@@ -144,17 +144,26 @@ def exit_skipping_teardown() -> NoReturn:
 #: The methods of a ``PipelineStage`` a schedule calls with the microbatch index first
 #: (torch 2.13-2.15 ``pipelining/schedules.py``: GPipe, 1F1B, interleaved 1F1B, zero bubble).
 STAGE_CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+_ABSENT = object()  # a stage without an instance attribute of that name
 
 
 @contextlib.contextmanager
 def pipeline_chunks_wrapped(stages: Sequence[Any], wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """Within the block, each of :data:`STAGE_CHUNK_METHODS` a stage of ``stages`` has is
-    ``wrap(method)``, set on the instance (the class's method again after the block)."""
-    patched = [(stage, name) for stage in stages for name in STAGE_CHUNK_METHODS if hasattr(stage, name)]
-    for stage, name in patched:
-        setattr(stage, name, wrap(getattr(stage, name)))
+    ``wrap(method)``, set on the instance; after the block the instance has what it had
+    before (its own attribute - a user's patch, an outer block's wrapper - or none)."""
+    patched = []
     try:
+        for stage in stages:
+            for name in STAGE_CHUNK_METHODS:
+                if hasattr(stage, name):
+                    before = vars(stage).get(name, _ABSENT)
+                    setattr(stage, name, wrap(getattr(stage, name)))
+                    patched.append((stage, name, before))
         yield
     finally:
-        for stage, name in patched:
-            delattr(stage, name)
+        for stage, name, before in reversed(patched):  # reversed: a stage listed twice ends as it began
+            if before is _ABSENT:
+                delattr(stage, name)
+            else:
+                setattr(stage, name, before)

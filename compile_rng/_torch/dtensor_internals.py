@@ -7,11 +7,13 @@ DTensor's private tracker protocol (``_distribute_region``, ``_compute_rng_offse
 defines (:data:`compile_rng._torch.PRIVATE_OVERRIDES` lists any other private torch name
 a compile_rng class overrides: none).
 
-Two temporary patches live here, beside what they patch, used by the eager and traced
-code below the installer: :func:`dtensor_dispatch_unhandled` lasts for one op call and
-:func:`dtensor_operands_kept` for a block. The accessors that set or hand out DTensor's
-mutable state (:data:`compile_rng._torch.INSTALLER_ONLY`) are the installer's. DTensor
-is imported inside the functions, or through the lazy names of :data:`_LAZY`.
+One temporary patch lives here, beside what it patches, used by the traced code below
+the installer: :func:`dtensor_operands_kept` lasts for a block. The accessors that set or
+hand out DTensor's mutable state (:data:`compile_rng._torch.INSTALLER_ONLY`) are the
+installer's: among them :func:`set_op_handlers_per_thread`, which lets
+:func:`dtensor_dispatch_unhandled` hand one op call to DTensor's own dispatch in its own
+thread, the handler table unchanged. DTensor is imported inside the functions, or
+through the lazy names of :data:`_LAZY`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "dtensor_views_flatten_sharded_dims",
     "local_tensor",
     "rng_tracker",
+    "set_op_handlers_per_thread",
     "set_rng_tracker",
     "split_factor",
 ]
@@ -169,21 +172,69 @@ def dtensor_op_handlers() -> dict:
     return dtensor_op_dispatcher()._custom_op_handlers
 
 
-# one thread at a time steps a handler out of the shared table and back
-_handlers_lock = threading.RLock()
+class _Unhandled(threading.local):
+    """Per thread: the ops DTensor dispatches in this thread as if compile_rng had no
+    handler for them (:func:`dtensor_dispatch_unhandled`)."""
+
+    ops: frozenset = frozenset()
+
+
+_unhandled = _Unhandled()
+
+
+@functools.cache
+def _per_thread_dispatcher(stock: type) -> type:
+    """``stock`` (DTensor's ``OpDispatcher``) whose ``_custom_op_handlers`` is read through
+    a property: the table the instance holds, less the ops of :data:`_unhandled` in the
+    calling thread. A property is a data descriptor, so it wins over the instance's own
+    attribute, which keeps holding the table (torch's own code sets and updates it through
+    the property: ``loss_parallel``, context parallel)."""
+
+    class PerThreadHandlers(stock):
+        @property
+        def _custom_op_handlers(self) -> dict:
+            table = vars(self)["_custom_op_handlers"]
+            skipped = _unhandled.ops
+            return {op: h for op, h in table.items() if op not in skipped} if skipped else table
+
+        @_custom_op_handlers.setter
+        def _custom_op_handlers(self, table: dict) -> None:
+            vars(self)["_custom_op_handlers"] = table
+
+    PerThreadHandlers.compile_rng_stock_class = stock
+    return PerThreadHandlers
+
+
+def set_op_handlers_per_thread(per_thread: bool) -> None:
+    """Make DTensor's op dispatcher read its handler table per thread
+    (:func:`_per_thread_dispatcher`), or, False, as stock torch does. DTensor's C++ entry
+    point reads ``_custom_op_handlers`` by attribute on every op (2.13-2.15; 2.11's Python
+    dispatch too), so a thread inside :func:`dtensor_dispatch_unhandled` gets DTensor's own
+    dispatch of its op while every other thread keeps compile_rng's handler: the table
+    itself never changes."""
+    dispatcher = dtensor_op_dispatcher()
+    stock = getattr(type(dispatcher), "compile_rng_stock_class", type(dispatcher))
+    dispatcher.__class__ = _per_thread_dispatcher(stock) if per_thread else stock
 
 
 def dtensor_dispatch_unhandled(op_call: Any, args: Any, kwargs: Any) -> Any:
     """DTensor's own dispatch of ``op_call``, as if compile_rng had no handler for it
-    (meshes compile_rng does not serve keep stock semantics). DTensor's C++ entry point reads the
-    handler table on every op, so the handler steps out of it for this one call."""
-    handlers = dtensor_op_handlers()
-    with _handlers_lock:
-        mine = handlers.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = mine
+    (meshes compile_rng does not serve keep stock semantics): for this call, in this thread
+    only, DTensor's dispatcher reads its handler table without ``op_call``
+    (:func:`set_op_handlers_per_thread`). Another thread dispatching the op meanwhile still
+    gets compile_rng's handler."""
+    if not hasattr(type(dtensor_op_dispatcher()), "compile_rng_stock_class"):
+        raise RuntimeError(
+            f"compile_rng: its handler of {op_call} ran while DTensor reads its handler table as stock torch "
+            "does (compile_rng uninstalled?), so the op cannot be handed to DTensor's own dispatch; "
+            "call compile_rng.install()"
+        )
+    before = _unhandled.ops
+    _unhandled.ops = before | {op_call}
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        _unhandled.ops = before
 
 
 @contextlib.contextmanager

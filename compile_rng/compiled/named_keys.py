@@ -24,7 +24,7 @@ from torch import fx
 from compile_rng._torch import dynamo_internals
 from compile_rng.compiled.symbols import SizeFn
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
-from compile_rng.semantics.named_draws import STEP_STRIDE, Namer
+from compile_rng.semantics.named_draws import Namer, check_step_draw
 from compile_rng.semantics.rows import Rows
 from compile_rng.stream import UINT64, as_int64
 
@@ -50,11 +50,7 @@ class KeyTable:
     def named(self, namer: Namer, args: Sequence[Any], rows: Rows) -> torch.Tensor:
         """The table of a call in a step with names: each op's named stream, at the step's base."""
         batch = {ROWS_TOTAL: rows.total}
-        if self.advance(args, batch) > STEP_STRIDE:
-            raise ValueError(
-                f"compile_rng: the compiled graph {self.plan.name} draws {self.advance(args, batch)} counters in a "
-                f"step with names=, more than the {STEP_STRIDE} a named stream holds per step"
-            )
+        check_step_draw(f"the compiled graph {self.plan.name}", self.advance(args, batch))
         frame = dynamo_internals.compiled_frame(_RUNTIME_FILES)
         positions = namer.graph_positions(
             self.plan.name, frame, [op.module for op in self.plan.ops], self.plan.module_calls, self.device

@@ -1,10 +1,11 @@
 """Names for eager random ops in a step with ``names=`` (the rule:
 :mod:`compile_rng.semantics.named_draws`), and the pipeline stages' microbatch rows.
 
-The names come from global module forward hooks (``torch.nn.modules.module``'s public
-``register_module_forward_pre_hook`` / ``register_module_forward_hook``), installed for the
-step only: a stack of the named modules running, their call counts in the current
-forward of a root, and each call's count of random ops.
+The names come from global module forward hooks (:func:`enter_hook`, :func:`leave_hook`:
+``compile_rng.installation`` registers them at the first step with ``names=`` and removes
+them on uninstall; outside such a step they return at once): a stack of the named modules
+running, their call counts in the current forward of a root, and each call's count of
+random ops.
 
 * A *root* is a module given as ``names=`` (or a ``PipelineStage``'s ``submod``); names
   are FQNs relative to it, so a stage built as torchtitan builds one (a deep copy of the
@@ -25,12 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn.modules import module as nn_module
 
 from compile_rng._torch import core_internals, distributed_internals, dynamo_internals
 from compile_rng.semantics.model_names import module_names
@@ -121,13 +121,10 @@ class ActivationNames:
             )
         outermost = self.stack[0][0]
         module, fqn, call = self.stack[-1]
-        if id(outermost) not in self.roots:
-            self._check_recomputation(op)
-        self._check_in_submodule(op, fqn)
         ordinal = self.ordinals.get((fqn, call), 0)
+        _, position = self._named(op, fqn, call, ordinal, device, recomputed=id(outermost) not in self.roots)
         self.ordinals[(fqn, call)] = ordinal + 1
-        seed, base = self.start[device.type]
-        return activation_seed(seed, activation_name(fqn, call, ordinal, self.forward or 0)), base
+        return position
 
     def graph_positions(
         self, graph: str, frame: Any, sites: Sequence[Any], module_calls: dict, device: torch.device
@@ -138,22 +135,56 @@ class ActivationNames:
         module the graph runs. Inside the graph the module hooks were traced, not run: the
         graph's calls and ops are counted here, as the hooks would have counted them."""
         resolve = _FrameModules(frame, self.fqn, graph)
+        fqn_root, root_call = self._graph_root_call(resolve)
+        first = self._count_graph_calls(resolve, module_calls, fqn_root)
+        named = [(*self._site_call(resolve, site, fqn_root, root_call, first), site.ordinal) for site in sites]
+        ordinals: dict[tuple[str, int], int] = {}
+        positions = []
+        for fqn, call, ordinal in named:
+            op = f"the compiled graph {graph}'s random op in {fqn or 'the model'}"
+            ordinal += self.ordinals.get((fqn, call), 0)
+            ordinals[(fqn, call)] = max(ordinals.get((fqn, call), 0), ordinal + 1)
+            name, position = self._named(op, fqn, call, ordinal, device, recomputed=self.forward is None)
+            if self.forward is not None:
+                self._draw_once(op, name)
+            positions.append(position)
+        self.ordinals.update(ordinals)
+        return positions
+
+    def _named(
+        self, op: object, fqn: str, call: int, ordinal: int, device: torch.device, recomputed: bool
+    ) -> tuple[str, tuple[int, int]]:
+        """The name of ``op``, the ``ordinal``-th random op of call ``call`` of module
+        ``fqn``, and its ``(seed, base)`` on ``device``; refused where it has no name in the
+        unsplit model or, ``recomputed`` (activation checkpointing), an unknown one."""
+        if recomputed:
+            self._check_recomputation(op, fqn)
+        self._check_in_submodule(op, fqn)
+        name = activation_name(fqn, call, ordinal, self.forward or 0)
+        seed, base = self.start[device.type]
+        return name, (activation_seed(seed, name), base)
+
+    def _graph_root_call(self, resolve: _FrameModules) -> tuple[str, int]:
+        """The name of the module whose forward a compiled graph's frame runs and the
+        index of this call of it (a new forward where the graph begins one)."""
         root, fqn_root = resolve.root()
-        resumed, backward = dynamo_internals.is_resume_frame(frame), core_internals.in_backward()
+        resumed, backward = dynamo_internals.is_resume_frame(resolve.frame), core_internals.in_backward()
         if not self.stack and not resumed:
             if fqn_root == "" and not backward:  # the model's (or stage's) forward is this graph's
                 self._new_forward(self._count_forward(root))
             elif backward:  # activation checkpointing recomputes a compiled region
                 self._new_forward(None)
         if self.stack and self.stack[-1][1] == fqn_root:  # a wrapper runs it: the wrapper's call
-            root_call = self.stack[-1][2]
-        elif resumed:  # the rest of a call after a graph break
-            root_call = max(self.calls.get(fqn_root, 1), 1) - 1
+            return fqn_root, self.stack[-1][2]
+        if resumed:  # the rest of a call after a graph break
             self.calls.setdefault(fqn_root, 1)
-        else:
-            root_call = self._call(fqn_root)
-        # each module's calls before this graph, then the graph's own (a wrapper and the
-        # module it wraps are one call of one name)
+            return fqn_root, max(self.calls[fqn_root], 1) - 1
+        return fqn_root, self._call(fqn_root)
+
+    def _count_graph_calls(self, resolve: _FrameModules, module_calls: dict, fqn_root: str) -> dict[str, int]:
+        """Count the calls a compiled graph makes of the modules below its root, as the
+        hooks would have; returns each such module's calls before the graph (a wrapper and
+        the module it wraps are one call of one name)."""
         first: dict[str, int] = {}
         runs: dict[str, int] = {}
         for where, count in module_calls.items():
@@ -165,39 +196,31 @@ class ActivationNames:
             self.calls[name] = first[name] + count
             if self.calls[name] > 1:
                 self.ran_twice.add(name)
-        named = []
-        for site in sites:
-            fqn = resolve.name(site.scope, site.root, site.path) if site.path or site.root else fqn_root
-            if fqn is None:
-                raise RuntimeError(
-                    f"compile_rng: the compiled graph {graph} draws random numbers in a module that is not part of "
-                    "the model given as names= (it has no name in it); draw them in the model, or outside the step"
-                )
-            call = root_call if fqn == fqn_root else first.get(fqn, 0) + site.call
-            named.append((fqn, call, site.ordinal))
-        ordinals: dict[tuple[str, int], int] = {}
-        positions = []
-        for fqn, call, ordinal in named:
-            op = f"the compiled graph {graph}'s random op in {fqn or 'the model'}"
-            if self.forward is None:
-                self._check_recomputation(op, fqn)
-            self._check_in_submodule(op, fqn)
-            ordinal += self.ordinals.get((fqn, call), 0)
-            ordinals[(fqn, call)] = max(ordinals.get((fqn, call), 0), ordinal + 1)
-            name = activation_name(fqn, call, ordinal, self.forward or 0)
-            if self.forward is not None:
-                if name in self.drawn:
-                    raise NotImplementedError(
-                        f"compile_rng: {op} would draw the stream {name!r} a second time in one forward: a module "
-                        "ran more than once in a forward in a way the compiled graph cannot count (weight sharing "
-                        "across a graph break). Compile the shared module on its own (module.compile()), or run it "
-                        "eagerly in the step"
-                    )
-                self.drawn.add(name)
-            seed, base = self.start[device.type]
-            positions.append((activation_seed(seed, name), base))
-        self.ordinals.update(ordinals)
-        return positions
+        return first
+
+    def _site_call(
+        self, resolve: _FrameModules, site: Any, fqn_root: str, root_call: int, first: dict[str, int]
+    ) -> tuple[str, int]:
+        """``(module name, call)`` of a compiled graph's random op at ``site``."""
+        fqn = resolve.name(site.scope, site.root, site.path) if site.path or site.root else fqn_root
+        if fqn is None:
+            raise RuntimeError(
+                f"compile_rng: the compiled graph {resolve.graph} draws random numbers in a module that is not "
+                "part of the model given as names= (it has no name in it); draw them in the model, or outside the step"
+            )
+        return fqn, root_call if fqn == fqn_root else first.get(fqn, 0) + site.call
+
+    def _draw_once(self, op: object, name: str) -> None:
+        """Record that a compiled graph draws stream ``name`` in this forward; refuse a
+        second draw (a module run twice in a way the graph cannot count)."""
+        if name in self.drawn:
+            raise NotImplementedError(
+                f"compile_rng: {op} would draw the stream {name!r} a second time in one forward: a module "
+                "ran more than once in a forward in a way the compiled graph cannot count (weight sharing "
+                "across a graph break). Compile the shared module on its own (module.compile()), or run it "
+                "eagerly in the step"
+            )
+        self.drawn.add(name)
 
     def _check_in_submodule(self, op: object, fqn: str) -> None:
         if self.split and fqn == "":
@@ -277,7 +300,8 @@ class _FrameModules:
         return self._found[where]
 
 
-def _enter(module: nn.Module, args: Any) -> None:
+def enter_hook(module: nn.Module, args: Any) -> None:
+    """The global forward pre-hook of named steps: a named module's call begins."""
     # Inside a compiled region Dynamo traces the hooks: they must add nothing to the graph
     # (the graph counts its own calls: ActivationNames.graph_positions)
     if torch.compiler.is_compiling():
@@ -287,7 +311,8 @@ def _enter(module: nn.Module, args: Any) -> None:
         namer.enter(module, args)
 
 
-def _leave(module: nn.Module, args: Any, output: Any) -> None:
+def leave_hook(module: nn.Module, args: Any, output: Any) -> None:
+    """The global forward hook of named steps (registered ``always_call``): a call ends."""
     if torch.compiler.is_compiling():
         return
     namer = current_namer()
@@ -295,17 +320,28 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
         namer.leave(module, args, output)
 
 
-_installed_hooks: list = []
+# What registers enter_hook and leave_hook with torch (compile_rng.installation, the module
+# that changes torch, sets it while compile_rng is installed; None while it is not).
+_hooks_installer: Callable[[], None] | None = None
 
 
-def install_hooks() -> None:
-    """Install the global module hooks that name the ops, once per process (at the first
-    step with ``names=``); outside such a step they return at once. They stay installed:
-    Dynamo guards a compiled module on the global hooks it traced, keys included, so hooks
-    registered anew for each step would recompile every compiled module every step."""
-    if not _installed_hooks:
-        _installed_hooks.append(nn_module.register_module_forward_pre_hook(_enter))
-        _installed_hooks.append(nn_module.register_module_forward_hook(_leave, always_call=True))
+def set_hooks_installer(installer: Callable[[], None] | None) -> None:
+    """Set what :func:`require_hooks` calls (``compile_rng.installation``'s; None on uninstall)."""
+    global _hooks_installer
+    _hooks_installer = installer
+
+
+def require_hooks() -> None:
+    """Have the global module hooks that name the ops installed (the installer registers
+    them at the first step with ``names=``, then keeps them until ``compile_rng.uninstall()``);
+    outside a step with names they return at once. Raises RuntimeError while compile_rng is
+    uninstalled: without the hooks no op has a name."""
+    if _hooks_installer is None:
+        raise RuntimeError(
+            "compile_rng.step(names=...): compile_rng is uninstalled, and the module hooks that name the "
+            "random ops went with it; call compile_rng.install() (or compile_rng.manual_seed) first"
+        )
+    _hooks_installer()
 
 
 def roots_of(names: Any) -> tuple[list[nn.Module], list[Any]]:

@@ -257,6 +257,7 @@ def _rows_and_stream(rows: Rows | ScatteredRows, current: Rows | ScatteredRows |
 
 @contextlib.contextmanager
 def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
+    activation_names.require_hooks()
     roots, stages = activation_names.roots_of(names)
     if not stages and microbatches is not None:
         raise ValueError(
@@ -276,7 +277,6 @@ def _named(rows: Rows, names: Any, microbatches: int | None) -> Iterator[Step]:
     pipeline = (
         activation_names.microbatch_rows_of(stages, rows, microbatches) if stages else contextlib.nullcontext()
     )
-    activation_names.install_hooks()
     try:
         # Pipeline stages: rows only inside a microbatch (the schedule's shape inference
         # runs a forward outside any: it draws by name and changes nothing).

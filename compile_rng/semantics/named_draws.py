@@ -90,9 +90,16 @@ def draw_position(op: object, advance: int, device: torch.device) -> tuple[int, 
     namer = _namer.get()
     if namer is None:
         return state.advance(advance, device)
+    check_step_draw(op, advance)
+    return namer.position(op, advance, device)
+
+
+def check_step_draw(what: object, advance: int) -> None:
+    """Raise ValueError where ``what`` (an op, a compiled graph) draws ``advance`` counters
+    in a step with names, more than its named stream holds: the next step starts
+    :data:`STEP_STRIDE` further on."""
     if advance > STEP_STRIDE:
         raise ValueError(
-            f"compile_rng: {op} draws {advance} counters in a step with names=, more than the "
+            f"compile_rng: {what} draws {advance} counters in a step with names=, more than the "
             f"{STEP_STRIDE} a named stream holds per step"
         )
-    return namer.position(op, advance, device)
