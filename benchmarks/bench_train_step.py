@@ -113,6 +113,30 @@ def aten_ops_per_step(c: Config) -> int:
     return Count.n
 
 
+def per_op_costs(reps: int = 3000) -> dict[str, float]:
+    """Microseconds per call of a small plain aten op (``addmm`` 4x16 @ 16x16) and of a small
+    random op (``dropout`` on 4x16), outside a step (stock) and inside ``compile_rng.step(4)``,
+    interleaved in one run: what a step adds to every op, and to a random one."""
+    a, b, bias = torch.randn(4, 16), torch.randn(16, 16), torch.randn(16)
+    ops = {"plain": lambda: torch.addmm(bias, a, b), "random": lambda: F.dropout(a, 0.1)}
+
+    def timed(fn) -> float:
+        for _ in range(200):
+            fn()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e6
+
+    costs: dict[str, list[float]] = {}
+    for _ in range(3):  # interleaved rounds, the best of each: the machine's noise is one-sided
+        for kind, fn in ops.items():
+            costs.setdefault(f"{kind} stock", []).append(timed(fn))
+            with compile_rng.step(a.shape[0]):
+                costs.setdefault(f"{kind} in a step", []).append(timed(fn))
+    return {name: min(values) for name, values in costs.items()}
+
+
 def step_overhead(step: dict, eager: dict, ops: int) -> str:
     """What a step adds to the eager run (rows with ``median_s`` and ``min_s``): a cost
     per aten op, a saving, or within noise - the two runs' own spread (median - min),
@@ -170,9 +194,15 @@ def main(argv: list[str] | None = None) -> None:
             step, eager = rows[f"{threads}/eager-step"], rows[f"{threads}/eager"]
             print(f"  eager code inside compile_rng.step, {threads} thread(s): {step_overhead(step, eager, ops)} "
                   f"({ops} aten ops per forward + backward)")
+    costs = per_op_costs() if "eager-step" in modes else {}
+    if costs:
+        print(f"  per op, 1 thread's caller: plain addmm {costs['plain stock']:.2f} us stock, "
+              f"{costs['plain in a step']:.2f} us in a step ({costs['plain in a step'] - costs['plain stock']:+.2f}); "
+              f"dropout {costs['random stock']:.2f} us stock, {costs['random in a step']:.2f} us in a step "
+              f"({costs['random in a step'] / costs['random stock']:.1f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"config": c.__dict__, "rows": rows, "aten_ops": ops,
+            {"config": c.__dict__, "rows": rows, "aten_ops": ops, "per_op_us": costs,
              "isas": {"compile_rng": cpu_kernel.isa(), **isas}}, indent=1))
 
 

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import compile_rng
-from compile_rng.eager.activation_names import microbatch_rows
+from compile_rng.eager.activation_names import microbatch_rows, microbatch_rows_of
 from compile_rng.launch import spawn
-from compile_rng.semantics.rows import Rows
+from compile_rng.semantics.rows import Rows, current_rows
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
@@ -69,6 +69,36 @@ def test_microbatch_rows_are_tensor_split_rows(count, microbatches):
         assert (got.count, got.total) == (piece.numel(), 200)
         if piece.numel():
             assert got.start == piece[0].item()
+
+
+class _Stage:
+    """A stand-in ``PipelineStage``: its per-microbatch methods return what ran and the
+    rows current in it."""
+
+    def __init__(self):
+        self.submod = torch.nn.Linear(2, 2)
+
+    def forward_one_chunk(self, chunk, *args):
+        return "the class's", current_rows()
+
+    def backward_one_chunk(self, chunk, *args):
+        return "the class's", current_rows()
+
+
+def test_a_step_gives_a_stage_back_the_methods_it_had():
+    """The step wraps a stage's methods on the instance; after it the instance has what it
+    had before: its own attribute (a user's patch, an outer block's wrapper), or none."""
+    stage = _Stage()
+    own = stage.forward_one_chunk = lambda chunk, *args: ("the instance's", current_rows())
+    rows = Rows(0, 4, 4)
+    with microbatch_rows_of([stage], rows, 2):
+        outer = stage.forward_one_chunk
+        assert outer(1) == ("the instance's", microbatch_rows(rows, 2, 1))  # the instance's, wrapped
+        with microbatch_rows_of([stage], rows, 2):  # an inner block over the same stage wraps the wrapper
+            assert stage.forward_one_chunk is not outer and stage.forward_one_chunk(1)[0] == "the instance's"
+        assert stage.forward_one_chunk is outer and stage.backward_one_chunk(0)[0] == "the class's"
+    assert stage.forward_one_chunk is own
+    assert "backward_one_chunk" not in vars(stage)
 
 
 def _dropped_of_last_block(model, tokens, targets, names=True):
@@ -343,6 +373,35 @@ def test_zero_bubble_with_fsdp2_is_another_curve_in_stock_torch(tmp_path, monkey
     assert curves["zero bubble, compile_rng"] == curves["InterleavedZeroBubble, stock"]
     assert pp.max_relative_difference(curves["InterleavedZeroBubble, stock"], reference) > 1e-6
     assert pp.max_relative_difference(curves["Interleaved1F1B, stock"], reference) < TOLERANCE
+
+
+def _zero_bubble_fsdp2_masks_body(rank: int, world: int, out: str) -> None:
+    pipe = pp.Pipeline("gpt", "InterleavedZeroBubble", "PP=2xDP=2", microbatches=4)
+    captured = []
+    for module in pipe.modules:
+        pp.capture_dropped(module, "3", captured)
+    torch.manual_seed(pp.SEED)
+    tokens, targets = _batch()
+    pipe.step(tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord])
+    torch.save(captured, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.sweep
+def test_zero_bubble_with_fsdp2_draws_the_single_process_masks(tmp_path):
+    """The same cell with dropout on (p=0.1): whatever torch's own gap does to the curve,
+    every element the last block's attention and MLP dropouts drop, forward and backward,
+    over both data-parallel ranks of the last stage, is the one process's."""
+    tokens, targets = _batch()
+    single = _dropped_of_last_block(pp.whole_model("gpt"), tokens, targets)
+    out = str(tmp_path / "captured")
+    spawn(_zero_bubble_fsdp2_masks_body, 4, out)
+    captured = [c for rank in range(4) for c in torch.load(f"{out}.{rank}")]
+    piped = _gathered(captured)
+    assert set(piped) == set(single) and len(captured) == 4 * 4 * 2  # 4 kinds x 4 microbatches x 2 DP ranks
+    for kind, mask in single.items():
+        assert 0 < mask.float().mean() < 0.3, kind  # dropout ran: the comparison can fail
+        assert torch.equal(piped[kind], mask), kind
 
 
 def _seeded_per_stage_body(rank: int, world: int, out: str) -> None:

@@ -85,13 +85,34 @@ def groups_of(meshes: list, explicit: object = None) -> list:
     return groups or [dist.group.WORLD]
 
 
+def _gathered_uint64s(group: object, mine: tuple) -> list[tuple]:
+    """Every rank of ``group``'s ``mine`` (uint64 values): one all-gather of a fixed-size
+    int64 tensor, each value as two 32-bit halves (a step pays it; an object gather
+    pickles and sends sizes first)."""
+    halves = [h for v in mine for h in (v & 0xFFFFFFFF, v >> 32)]
+    tensor = torch.tensor(halves, dtype=torch.int64, device=collective_device(group))
+    everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, tensor, group=group)
+    return [tuple(lo + (hi << 32) for lo, hi in zip(t.tolist()[::2], t.tolist()[1::2])) for t in everyone]
+
+
+def _uint64s(mine: tuple) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64 for v in mine)
+
+
 def disagreements(groups: list, mine: tuple) -> list[dict]:
     """Per field of ``mine``: value -> ranks, for every group where the ranks disagree;
-    afterwards every rank of the groups knows whether any rank saw a disagreement."""
+    afterwards every rank of the groups knows whether any rank saw a disagreement. One
+    group and uint64 values (stream positions): a single fixed-size all-gather, after
+    which every rank holds the same values and so the same answer."""
     seen: list[dict] = []
+    single = len(groups) == 1 and _uint64s(mine)
     for group in groups:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        if single:
+            everyone = _gathered_uint64s(group, mine)
+        else:
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
         ranks = dist.get_process_group_ranks(group)
         for i in range(len(mine)):
             values: dict = {}
@@ -99,6 +120,8 @@ def disagreements(groups: list, mine: tuple) -> list[dict]:
                 values.setdefault(other[i], []).append(rank)
             if len(values) > 1:
                 seen.append({"field": i, "values": values})
+    if single:
+        return seen
     flag = 0
     for group in groups:  # one pass over the dims reaches every rank of a mesh
         t = torch.tensor([int(bool(seen)) or flag], device=collective_device(group))
