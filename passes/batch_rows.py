@@ -20,7 +20,7 @@ from typing import Any
 import sympy
 import torch
 from compile_rng._torch.core_internals import FloorDiv
-from compile_rng.passes.graph_nodes import call, source_of
+from compile_rng.passes.graph_nodes import call, sequence_major_module, source_of
 from compile_rng.passes.plan import BATCH_SYMBOLS, ROW_START, ROWS_TOTAL, RngPlan
 from compile_rng.passes.sym_emit import SymEmitter
 from torch import fx
@@ -49,6 +49,15 @@ class BatchRows:
                 "whose random ops must all be on batch-major activations (dim 0 = the batch)"
             )
         rows = global_shape[0]
+        module = sequence_major_module(node)
+        if module is not None and len(global_shape) > 1 and sympy.simplify(global_shape[1] - rows) == 0:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} in torch's {module} draws on a tensor of "
+                f"shape {tuple(global_shape)} in a batched graph: {module} runs sequence-major activations "
+                "(seq, batch, ...) unless batch-first, and with the sequence as long as the batch the graph "
+                "cannot tell which dim is the batch. Run this module eagerly in the step (compile_rng reads "
+                "its layout there), or make it batch_first=True with a sequence of another length"
+            )
         if self.plan.local_rows is None:
             self.plan.local_rows = rows
         elif sympy.simplify(rows - self.plan.local_rows) != 0:

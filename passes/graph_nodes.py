@@ -30,6 +30,29 @@ def source_of(node: fx.Node) -> str:
     return "?"
 
 
+#: torch's modules whose random ops draw on sequence-major activations (always, or unless
+#: ``batch_first``), and the one inside them whose draws are batch-major
+#: (:mod:`compile_rng.eager.batch_dims` reads the same from the Python stack, eagerly).
+SEQUENCE_MAJOR_MODULES = ("RNN", "LSTM", "GRU", "TransformerEncoderLayer", "TransformerDecoderLayer")
+BATCH_MAJOR_MODULES = ("MultiheadAttention",)
+
+
+def sequence_major_module(node: fx.Node) -> str | None:
+    """The class name of the innermost of torch's modules around ``node`` that may run
+    it on sequence-major activations (:data:`SEQUENCE_MAJOR_MODULES`), None where there is
+    none or a batch-major one is nearer (Dynamo's ``nn_module_stack``)."""
+    for _path, cls in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
+        module = getattr(cls, "__module__", str(cls))
+        if not str(module).startswith("torch.nn"):
+            continue
+        if name in BATCH_MAJOR_MODULES:
+            return None
+        if name in SEQUENCE_MAJOR_MODULES:
+            return name
+    return None
+
+
 def expr(v: Any) -> sympy.Expr:
     return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
 

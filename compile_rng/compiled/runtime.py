@@ -19,7 +19,7 @@ from compile_rng.ops import make_key
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
 from compile_rng.semantics import local_values, verify
 from compile_rng.semantics.named_draws import current_namer
-from compile_rng.semantics.rows import Rows, current_rows
+from compile_rng.semantics.rows import Rows, current_rows, step_batch_dim
 from compile_rng.stream import state
 
 
@@ -36,6 +36,12 @@ class BatchKey:
         rows = current_rows()
         if rows is None or not self.draws:
             return Rows(0, count, count)
+        if step_batch_dim() != 0:
+            raise NotImplementedError(
+                f"compile_rng: the batched graph {self.name} runs in a step that declares batch_dim="
+                f"{step_batch_dim()}: compiled batched graphs draw batch-major (dim 0) only. Run that model "
+                "eagerly in the step, or compile it batch-first"
+            )
         if rows.count != count:
             raise ValueError(
                 f"compile_rng: the batched graph {self.name} draws on activations of {count} rows, but the "

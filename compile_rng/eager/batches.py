@@ -32,7 +32,7 @@ import torch
 from compile_rng.eager import activation_names, dispatch_modes
 from compile_rng.semantics import verify
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
-from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, rows_at, set_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, reset_step_batch_dim, rows_at, set_rows, set_step_batch_dim
 from compile_rng.stream import state
 
 
@@ -199,6 +199,7 @@ class Step:
 def step(
     local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None,
     names: Any = None, microbatches: int | None = None, rows: str | Sequence[int] = "contiguous",
+    batch_dim: int = 0,
 ) -> Iterator[Step]:
     """One training step of ``local_batch`` rows on this rank.
 
@@ -222,17 +223,30 @@ def step(
     step's sequence (:mod:`compile_rng.semantics.named_draws`), so that pipeline stages
     draw the single process's masks; with stages, ``microbatches`` is the schedule's
     ``n_microbatches`` and each stage's microbatch ``i`` draws at its rows.
+
+    ``batch_dim`` is the dim of the eager random ops' tensors that holds the batch: 0
+    (batch-major), or 1 for sequence-major code (``(seq, batch, ...)``, fairseq's habit).
+    torch's own modules say it themselves and override it inside them
+    (:mod:`compile_rng.eager.batch_dims`: ``nn.LSTM``/``nn.GRU``/``nn.RNN``, the
+    ``nn.Transformer`` layers, ``nn.MultiheadAttention``). Compiled batched graphs draw
+    batch-major only.
     """
+    if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
+        raise ValueError(f"compile_rng.step: batch_dim must be 0 or 1, got {batch_dim!r}")
     rows = _rank_rows(local_batch, data_parallel, global_batch, rows)
-    if names is None:
-        if microbatches is not None:
-            raise ValueError("compile_rng.step: microbatches= goes with names=<pipeline stages>")
-        with _rows_and_stream(rows, rows) as s:
+    token = set_step_batch_dim(batch_dim)
+    try:
+        if names is None:
+            if microbatches is not None:
+                raise ValueError("compile_rng.step: microbatches= goes with names=<pipeline stages>")
+            with _rows_and_stream(rows, rows) as s:
+                yield s
+            s.finish()
+            return
+        with _named(rows, names, microbatches) as s:
             yield s
-        s.finish()
-        return
-    with _named(rows, names, microbatches) as s:
-        yield s
+    finally:
+        reset_step_batch_dim(token)
 
 
 def open_step(local_batch: int, *, data_parallel: Any = None, global_batch: int | None = None,

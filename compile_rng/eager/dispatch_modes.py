@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from compile_rng import ops as cr_ops
+from compile_rng.eager import batch_dims
 from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
@@ -43,7 +44,7 @@ from compile_rng.semantics.random_ops import (
 )
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import Rows, ScatteredRows, batch_window, current_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, batch_window, current_rows, step_batch_dim
 from compile_rng.stream import ceil4, contiguous_strides
 
 
@@ -311,27 +312,28 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
 
 def eager_key(
     op: object, global_shape: Sequence[Any], advance: int, device: torch.device,
-    rows: Rows | ScatteredRows | None, batch_split_by: object = None,
-) -> tuple[torch.Tensor, int, int | None]:
-    """``(key, row offset, row step)`` of an eager random op whose tensor has global shape
-    ``global_shape``: outside a step (``rows`` None) it draws ``advance`` counters from
-    row offset 0 (row step None: the layout's own); inside one, at its ``rows`` of the
-    batch (:func:`~compile_rng.semantics.rows.batch_window`). The key's position comes from
-    the op's name in a step with names, else is reserved from the device's state."""
-    row_offset, row_step = 0, None
+    rows: Rows | ScatteredRows | None, batch_split_by: object = None, batch_dim: tuple[int, str] = (0, ""),
+) -> tuple[torch.Tensor, int, list[int] | None]:
+    """``(key, offset, counter strides)`` of an eager random op whose tensor has global
+    shape ``global_shape``: outside a step (``rows`` None) it draws ``advance`` counters
+    from offset 0 (strides None: the layout's own); inside one, at its ``rows`` of the
+    batch along ``batch_dim`` (``(dim, why)``; :func:`~compile_rng.semantics.rows.batch_window`).
+    The key's position comes from the op's name in a step with names, else is reserved
+    from the device's state."""
+    offset, strides = 0, None
     if rows is not None:
-        row_offset, advance, row_step = batch_window(op, global_shape, rows, batch_split_by)
+        offset, advance, strides = batch_window(op, global_shape, rows, batch_split_by, *batch_dim)
     seed, base = draw_position(op, advance, device)
-    return cr_ops.make_key(seed, base, device), row_offset, row_step
+    return cr_ops.make_key(seed, base, device), offset, strides
 
 
 def _plain_counters(func, size, device):
-    # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch.
-    key, offset, row_step = eager_key(func, size, ceil4(math.prod(size)), device, current_rows())
-    strides = contiguous_strides(size)
-    if row_step is not None:
-        strides[0] = row_step
-    return key, offset, strides
+    # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
+    # along the dim torch's module or the step says
+    rows = current_rows()
+    batch_dim = batch_dims.batch_dim_here(step_batch_dim()) if rows is not None else (0, "")
+    key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch_dim=batch_dim)
+    return key, offset, strides if strides is not None else contiguous_strides(size)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ from compile_rng._torch.dtensor_internals import (
     rng_tracker,
 )
 from compile_rng._torch.dynamo_internals import eager_contextmanager
+from compile_rng.eager import batch_dims
 from compile_rng.eager.dispatch_modes import RandomOpMode, eager_key
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
@@ -51,7 +52,7 @@ from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
 from compile_rng.semantics.pending_key import SITE, Site, pending_key
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import Rows, ScatteredRows, current_rows
+from compile_rng.semantics.rows import Rows, ScatteredRows, current_rows, step_batch_dim
 from compile_rng.stream import state
 
 aten = torch.ops.aten
@@ -233,12 +234,20 @@ def _eager_counters(
     shifted to the step's rows when there are any."""
     layout = sharding.layout(layout_name, coords, local_shape)
     split = sharding.placements if isinstance(layout, Pieces) or sharding.shards_dim(0) else None
-    key, row_offset, row_step = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
+    if rows is not None:
+        dim, why = batch_dims.batch_dim_here(step_batch_dim())
+        if dim != 0:
+            raise NotImplementedError(
+                f"compile_rng: {func} draws on a DTensor inside compile_rng.step whose batch is dim {dim} "
+                f"({why or 'the step declares it'}): DTensor random ops in a step draw batch-major (dim 0) "
+                "only. Run that module on plain tensors (DDP, or FSDP2 outside it), or batch-first"
+            )
+    key, row_offset, batch_strides = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
     if isinstance(layout, Pieces):
         return key, layout.shifted(row_offset), None
     offset, strides = layout
-    if rows is not None and rows.stride != 1:  # interleaved rows: row_step counters apart
-        strides = [row_step, *strides[1:]]
+    if rows is not None and rows.stride != 1:  # interleaved rows: a row's stride of counters apart
+        strides = [batch_strides[0], *strides[1:]]
     return key, offset + row_offset, strides
 
 

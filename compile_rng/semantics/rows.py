@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compile_rng.stream import ceil4
+from compile_rng.stream import ceil4, contiguous_strides
 
 
 @dataclass(frozen=True)
@@ -90,29 +90,56 @@ def reset_rows(token: contextvars.Token) -> None:
     _rows.reset(token)
 
 
+_batch_dim: contextvars.ContextVar[int] = contextvars.ContextVar("compile_rng_batch_dim", default=0)
+
+
+def step_batch_dim() -> int:
+    """The dim of a random op's tensor the innermost step declares its batch (0 unless
+    ``compile_rng.step(..., batch_dim=)`` says otherwise)."""
+    return _batch_dim.get()
+
+
+def set_step_batch_dim(dim: int) -> contextvars.Token:
+    """Declare ``dim`` the batch dim of the step's random ops (undo with :func:`reset_step_batch_dim`)."""
+    return _batch_dim.set(dim)
+
+
+def reset_step_batch_dim(token: contextvars.Token) -> None:
+    _batch_dim.reset(token)
+
+
 def batch_window(
-    op: object, global_shape: Sequence[Any], rows: Rows, batch_split_by: object = None
-) -> tuple[int, int, int]:
-    """``(row offset, advance, row step)`` of an eager random op inside a step whose tensor
-    (its DTensor-global shape ``global_shape``) is batch-major: its rows are ``rows`` of the
-    global batch, so element ``(i, j...)`` draws counter ``row offset + i * row step + j...``
-    of a range of ``ceil4(rows.total * row_numel)`` - what a batched graph's op draws
-    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows. ``batch_split_by``:
-    the placements of a DTensor whose batch dim is split over ranks (interleaved rows are
-    refused: a rank's part of them is not evenly spaced in the global batch)."""
-    if not global_shape or int(global_shape[0]) != rows.count:
+    op: object, global_shape: Sequence[Any], rows: Rows, batch_split_by: object = None, dim: int = 0,
+    why: str = "",
+) -> tuple[int, int, list[int]]:
+    """``(offset, advance, counter strides)`` of an eager random op inside a step whose
+    tensor (its DTensor-global shape ``global_shape``) holds the batch along ``dim``: its
+    rows are ``rows`` of the global batch, so element ``idx`` draws the counter of the
+    element at ``idx[dim] -> rows.start + idx[dim] * rows.stride`` of the global tensor
+    (``global_shape`` with ``rows.total`` along ``dim``), contiguous, from a range of
+    ``ceil4`` of its numel - what a batched graph's op draws
+    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows along dim 0.
+    ``batch_split_by``: the placements of a DTensor whose batch dim is split over ranks
+    (interleaved rows are refused: a rank's part of them is not evenly spaced in the
+    global batch). ``why``: what made ``dim`` the batch, for the error."""
+    if len(global_shape) <= dim or int(global_shape[dim]) != rows.count:
+        said = why or ("the step's batch_dim" if dim else "the step's default")
         raise NotImplementedError(
             f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
             f"batch here has {rows.count} rows: every random op in a step draws at its rows of the global "
-            "batch, so dim 0 must be the batch. Draw other randomness (data sampling, noise of another "
-            "shape) outside the step block, or transpose the tensor so the batch comes first"
+            f"batch, so dim {dim} must be the batch ({said}). Draw other randomness (data sampling, noise of "
+            "another shape) outside the step block, transpose the tensor so the batch is that dim, or declare "
+            "the step's batch dim: compile_rng.step(..., batch_dim=1) for sequence-major code"
         )
-    row_numel = math.prod(int(s) for s in global_shape[1:])
-    window = rows.start * row_numel, ceil4(rows.total * row_numel), rows.stride * row_numel
+    full = [int(s) for s in global_shape]
+    full[dim] = rows.total
+    strides = contiguous_strides(full)
+    offset = rows.start * strides[dim]
+    strides[dim] *= rows.stride
     if batch_split_by is not None and rows.stride != 1:
         raise NotImplementedError(
             f"compile_rng: {op} on a DTensor sharded on its batch dim ({batch_split_by}) in a "
             "step whose rows are interleaved: its rows are not evenly spaced in the global batch. "
             "Give this step contiguous rows (rows='contiguous'), or keep dim 0 of the activation unsharded"
         )
-    return window
+    return offset, ceil4(math.prod(full)), strides
