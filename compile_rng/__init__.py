@@ -22,7 +22,8 @@ Public API (importing compile_rng runs :func:`install`; :func:`uninstall` undoes
 * :class:`TrainerMixin` - ``class Trainer(compile_rng.TrainerMixin, transformers.Trainer)``:
   every optimizer step of the Hugging Face Trainer in a :func:`step`, its gradient
   accumulation as the step's microbatches, at the rows accelerate's loader dealt;
-  :func:`accelerate_batches` - the same for a plain ``accelerate`` loop.
+  :func:`accelerate_batches` - the same for a plain ``accelerate`` loop;
+  :class:`LightningCallback` - the same for PyTorch Lightning (``callbacks=[...]``).
 * :func:`init` - ``@compile_rng.init`` / ``@compile_rng.init(layout="invariant")`` on a
   weight-initialization function (``streams="fqn"``: one stream per parameter name);
   :func:`layout` - the counter layout of eager DTensor ops (:func:`mode`: its deprecated
@@ -59,6 +60,7 @@ _mount_source_passes()
 # `import torch` on top of it (no Dynamo, Inductor or depyf until they are needed).
 _PUBLIC = {
     "StreamState": ".stream.checkpointing",
+    "LightningCallback": ".integrations.lightning_callback",
     "TrainerMixin": ".integrations.hf_trainer",
     "accelerate_batches": ".integrations.accelerate_loop",
     "backend": ".compiled.backend",
