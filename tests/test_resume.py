@@ -62,6 +62,42 @@ def test_a_load_restores_the_run_position_and_counts_as_a_seeding():
     assert state.run_position() is None  # the checkpoint declared no run seed
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["run seed", "the stream"])
+def test_named_steps_resume_from_the_saved_state(declared):
+    """Steps with ``names=`` draw from the declared run seed's position (or the stream's):
+    what a state holds, so 2 steps, a save, a process's other state, a load and 2 more
+    steps draw the 4 uninterrupted steps' masks."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x = torch.ones(4, 4)
+
+    def steps(n: int) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(n):
+            with compile_rng.step(4, names=model):
+                outs.append(model(x).detach())
+        return outs
+
+    def start() -> None:
+        compile_rng.manual_seed(3)
+        compile_rng.run_seed(11 if declared else None)
+
+    start()
+    whole = steps(4)
+    start()
+    first = steps(2)
+    saved = compile_rng.state_dict()
+    compile_rng.manual_seed(99)  # another process's state
+    compile_rng.run_seed(5 if declared else None)
+    compile_rng.load_state_dict(saved)
+    rest = steps(2)
+    assert all(torch.equal(a, b) for a, b in zip(whole, first + rest))
+    start()  # the control: resumed without the state, step 3 draws step 1's masks
+    assert not torch.equal(steps(1)[0], whole[2])
+
+
 def test_checkpoint_folders_per_rank_elastic_and_refused(tmp_path):
     # the offsets only need to differ from each other and from the 0 of the reseeds below
     first, second = ceil4(5), ceil4(50)
