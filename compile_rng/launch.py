@@ -66,6 +66,23 @@ def _entry(rank: int, world: int, port: int, body: Callable, args: tuple) -> Non
     distributed_internals.exit_skipping_teardown()  # multiprocessing's own exit step still runs
 
 
+def end_of_rank() -> None:
+    """At the end of a script that ran as one rank of a gloo job (``torchrun``, Lightning's
+    DDP launcher): wait for every rank, destroy the default group and end the process
+    without the interpreter's teardown, which gloo's threads can abort ("terminate called
+    without an active exception", SIGABRT) after the work has passed. Returns at once
+    where no process group is initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    from compile_rng._torch import distributed_internals
+
+    distributed_internals.exit_skipping_teardown()
+
+
 def torchrun_world() -> int | None:
     """The world size ``torchrun`` started this process in (None: not started by torchrun)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -216,12 +216,15 @@ def table(runs: list[tuple[str, str, bool]]) -> dict[tuple[str, str, bool], floa
 
 
 def main() -> None:
+    from compile_rng.launch import end_of_rank
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train", help="JSON list of [loop, configuration, parity] to run in this process")
     parser.add_argument("--out", default="losses.json")
     a = parser.parse_args()
     if a.train:
         _train(a.train, a.out)
+        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
         return
     runs = [(loop, name, parity) for loop in LOOPS for name in CONFIGS for parity in (True, False)]
     cells = table(runs)

@@ -163,12 +163,15 @@ RUNS = [(name, parity, "") for name in CONFIGS for parity in (True, False)] + [
 
 
 def main() -> None:
+    from compile_rng.launch import end_of_rank
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train", help="JSON list of [configuration, parity, resume] to run in this process")
     parser.add_argument("--out", default="losses.json")
     a = parser.parse_args()
     if a.train:
         _train(a.train, a.out)
+        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
         return
     cells = table(RUNS)
     print("max relative difference of every step's loss (float64) from one device")

@@ -266,6 +266,8 @@ def table(loops: tuple[str, ...] = LOOPS) -> tuple[dict, dict]:
 
 
 def main() -> None:
+    from compile_rng.launch import end_of_rank
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phase", help="JSON list of [phase, loop, mode, saving ranks, ranks] to run here")
     parser.add_argument("--root")
@@ -273,6 +275,7 @@ def main() -> None:
     a = parser.parse_args()
     if a.phase:
         _phase(a.phase, a.root, a.out)
+        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
         return
     cells, refused = table()
     print(f"steps {STOP + 1}-{STEPS} after a resume: max relative loss difference from the uninterrupted run (float64)")
