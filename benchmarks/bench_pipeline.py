@@ -8,9 +8,6 @@ Modes, measured in one run on the same ranks:
 * ``tracker`` - compile_rng installed, no step: the stages' eager ops draw from torch's
   generator in schedule order (what compile_rng gives a pipeline without ``names=``);
 * ``stock``   - compile_rng uninstalled, eager stages;
-* ``floor``   - ``stock`` inside an empty ``TorchDispatchMode``: what seeing every aten op
-  of the step costs by itself (torch's Python dispatch), the floor under ``names``, whose
-  step mode sees every op to catch the random ones - forward, backward and recomputation;
 * ``names+compile`` - torchtitan's recipe (every block in ``checkpoint_wrapper``, then
   ``block.compile(fullgraph=True)`` with ``compile_rng.backend(layout="invariant",
   batched=True)``) in the named step;
@@ -18,9 +15,9 @@ Modes, measured in one run on the same ranks:
 
 Prints the median step time of each and its ratio to the stock run of its kind (eager or
 compiled); the modes take turns step by step, and the compiled modes' first steps (the
-compiles) are not timed. Then, in this process, what a plain op costs stock, in an empty
-dispatch mode and in a step (whose mode sees every op: Python dispatch is the floor under
-it); the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
+compiles) are not timed. Then, in this process, what a plain op (a 4x4 ``addmm``) and a
+random op (``dropout`` on 4x4) cost stock, in a step and in a step with ``names=`` (only
+random ops reach compile_rng in a step: a plain op's cost is torch's); the cost of naming one op: ``ActivationNames.position`` (module lookup, ordinal, the
 seed from its cache) against ``state.advance`` (the step's sequence), and the uncached
 SHA-256 of a name (paid once per name and run seed), next to the time one dropout of
 ``--elements`` elements takes: the key is computed per op, not per element; and, with the
@@ -54,21 +51,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import compile_rng  # noqa: E402
-from compile_rng._torch.core_internals import TorchDispatchMode  # noqa: E402
 from compile_rng.launch import spawn  # noqa: E402
 
-MODES = ("names", "tracker", "stock", "floor", "names+compile", "stock+compile")
-
-
-class _SeesEveryOp(TorchDispatchMode):
-    """Runs every op as it is: the cost of a Python dispatch mode alone."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # as the step's mode
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+MODES = ("names", "tracker", "stock", "names+compile", "stock+compile")
 
 
 def _baseline(mode: str) -> str:
@@ -76,7 +61,7 @@ def _baseline(mode: str) -> str:
 
 
 def _installed_for(mode: str) -> None:
-    if mode.startswith("stock") or mode == "floor":
+    if mode.startswith("stock"):
         compile_rng.uninstall()
     else:
         compile_rng.install()
@@ -105,8 +90,7 @@ def _time_steps(modes: list[str], steps: int, dim: int, microbatches: int) -> di
                 _installed_for(mode)
                 torch.distributed.barrier()
                 start = time.perf_counter()
-                with _SeesEveryOp() if mode == "floor" else contextlib.nullcontext():
-                    pipe.step(tokens, targets, named=mode.startswith("names"))
+                pipe.step(tokens, targets, named=mode.startswith("names"))
                 opt.step()
                 opt.zero_grad()
                 torch.distributed.barrier()
@@ -124,24 +108,27 @@ def _body(rank: int, world: int, modes: list, steps: int, dim: int, microbatches
 
 
 def dispatch_cost(ops: int = 2000, reps: int = 8) -> dict[str, float]:
-    """Seconds per plain op (a 4x4 ``addmm``): stock, in an empty dispatch
-    mode, and in a step (whose mode sees it to let it pass). Best of ``reps`` interleaved
-    runs: the cost, not the machine's noise."""
+    """Seconds per plain op (a 4x4 ``addmm``) and per random op (``dropout`` on 4x4): stock,
+    in a step, and in a step with ``names=``. Best of ``reps`` interleaved runs: the
+    cost, not the machine's noise."""
     x, w = torch.ones(4, 4), torch.ones(4, 4)
+    drop = torch.nn.Dropout(0.1)  # the named step's model
+    kinds = {"plain op": lambda y: torch.addmm(y, y, w), "random op": drop}
+    contexts = {"stock": contextlib.nullcontext, "in a step": lambda: compile_rng.step(4),
+                "in a named step": lambda: compile_rng.step(4, names=drop)}
 
-    def run() -> float:
+    def run(op) -> float:
         y, start = x, time.perf_counter()
         for _ in range(ops):
-            y = torch.addmm(y, y, w)
+            y = op(y)
         return (time.perf_counter() - start) / ops
 
-    contexts = {"a plain op, stock": contextlib.nullcontext, "a plain op, empty dispatch mode": _SeesEveryOp,
-                "a plain op, in a step": lambda: compile_rng.step(4)}
-    best = dict.fromkeys(contexts, float("inf"))
+    best = {f"a {kind}, {where}": float("inf") for kind in kinds for where in contexts}
     for _ in range(reps):
-        for what, context in contexts.items():
+        for where, context in contexts.items():
             with context():
-                best[what] = min(best[what], run())
+                for kind, op in kinds.items():
+                    best[f"a {kind}, {where}"] = min(best[f"a {kind}, {where}"], run(op))
     return best
 
 

@@ -31,6 +31,10 @@ two global module forward hooks (torch's public             ``step(names=...)`` 
 ``register_module_forward_pre_hook`` and                    random op by the module that runs it
 ``register_module_forward_hook``), at the first step        (:mod:`~compile_rng.eager.activation_names`)
 with ``names=``; outside one they return at once
+a ``torch.library`` kernel for each aten random op at       a step's random ops draw from the stream,
+each backend key torch has one at, over torch's kernel      and no other op pays a Python call
+(``get_kernel``), at the first step or eager stream         (:mod:`~compile_rng.eager.random_kernels`);
+(uninstalled: for the length of each one)
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng._torch`'s homes.
@@ -56,6 +60,7 @@ import functools
 import importlib
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -72,6 +77,7 @@ from compile_rng.stream import state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
+_random_op_kernels: list = []  # the torch.library.Library of the random ops' kernels while registered
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
 #: (pyproject's ``torch>=2.11,<2.16``).
@@ -124,6 +130,7 @@ def install() -> None:
     after_import("torch.distributed.tensor", _import_tracker)
     after_import("compile_rng.eager.tracker", _install_tracker)
     after_import("compile_rng.eager.activation_names", _offer_module_hooks)
+    after_import("compile_rng.eager.random_kernels", _offer_random_kernels)
 
 
 def uninstall() -> None:
@@ -137,6 +144,8 @@ def uninstall() -> None:
     for handle in _module_hooks:
         handle.remove()
     _module_hooks.clear()
+    _unregister_random_kernels()
+    after_import("compile_rng.eager.random_kernels", _lend_random_kernels)
     if "manual_seed" in _stock:
         torch.random.manual_seed = _stock["manual_seed"]
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
@@ -248,6 +257,65 @@ def _install_module_hooks(names: ModuleType) -> None:
     if not _module_hooks:
         _module_hooks.append(nn_module.register_module_forward_pre_hook(names.enter_hook))
         _module_hooks.append(nn_module.register_module_forward_hook(names.leave_hook, always_call=True))
+
+
+def _offer_random_kernels(kernels: ModuleType) -> None:
+    # A stream asks for the kernels (random_kernels.drawing): registered at the first,
+    # they stay until uninstall().
+    kernels.set_installer(functools.partial(_installed_random_kernels, kernels))
+
+
+def _lend_random_kernels(kernels: ModuleType) -> None:
+    # Uninstalled, each stream registers the kernels for its own length.
+    kernels.set_installer(functools.partial(_lent_random_kernels, kernels))
+
+
+@contextlib.contextmanager
+def _installed_random_kernels(kernels: ModuleType) -> Iterator[None]:
+    if not _random_op_kernels:
+        _register_random_kernels(kernels)
+    yield
+
+
+@contextlib.contextmanager
+def _lent_random_kernels(kernels: ModuleType) -> Iterator[None]:
+    # Uninstalled, compile_rng's functions stay usable: a stream registers the kernels
+    # for its own length (an enclosing stream may have already).
+    if _random_op_kernels:
+        yield
+        return
+    _register_random_kernels(kernels)
+    try:
+        yield
+    finally:
+        _unregister_random_kernels()
+
+
+_stock_random_kernels: list = []  # (op, key, torch's kernel), read once before any registration
+
+
+def _register_random_kernels(kernels: ModuleType) -> None:
+    if not _stock_random_kernels:
+        _stock_random_kernels.extend(
+            (op, key, torch.library.get_kernel(op, key))
+            for op in core_internals.random_op_overloads()
+            for key in core_internals.BACKEND_KEYS
+            if core_internals.has_backend_kernel(op, key)
+        )
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        # torch warns once that a kernel is overridden: here that is the point, and the
+        # kernel calls the one it overrides
+        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+        for op, key, stock in _stock_random_kernels:
+            library.impl(op, kernels.kernel(op, stock), key, with_keyset=True)
+    _random_op_kernels.append(library)
+
+
+def _unregister_random_kernels() -> None:
+    for library in _random_op_kernels:
+        core_internals.unregister_library(library)
+    _random_op_kernels.clear()
 
 
 def _to_local_hook(stock: Callable) -> Callable:

@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._python_dispatch import _pop_mode_temporarily as pop_dispatch_mode_temporarily
 from torch.utils._pytree import tree_leaves, tree_map  # the leaves of an op's (args, kwargs); map over them
 
@@ -38,17 +39,25 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "get_proxy_mode",
     "higher_order_op_name",
     "in_backward",
+    "insert_dispatch_mode",
     "is_run_with_rng_state",
     "op_arguments",
     "op_name",
     "pop_dispatch_mode_temporarily",
     "quiet_fake_tensor_failures",
+    "random_op_overloads",
+    "remove_dispatch_mode",
+    "rng_state_replay_codes",
+    "set_thread_object",
+    "thread_object",
+    "unregister_library",
     "storage_weak_ref",
     "torch_release",
     "traced_graph",
     "tree_leaves",
     "tree_map",
     "trunc_normal_redraws",
+    "has_backend_kernel",
 ]
 
 
@@ -120,6 +129,112 @@ def is_run_with_rng_state(func: Any) -> bool:
     its recomputation replays torch's generator state (``torch._prims.rng_prims``, private;
     2.13.0, 2.15.0)."""
     return higher_order_op_name(func) == "run_with_rng_state"
+
+
+def insert_dispatch_mode(mode: TorchDispatchMode, depth: int) -> None:
+    """Enter ``mode`` at ``depth`` of the dispatch-mode stack, under the modes entered
+    since (``_push_mode``/``_pop_mode``, private; 2.11.0-2.15.0): a mode a step needs
+    only once the step is running must still outlive the modes the step's code entered
+    after the step began (selective activation checkpointing's)."""
+    above = [_pop_mode() for _ in range(max(len(dispatch_mode_stack()) - depth, 0))]
+    _push_mode(mode)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+def remove_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off the dispatch-mode stack wherever it is (the modes above stay)."""
+    above = []
+    while dispatch_mode_stack():
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+# --- dispatch: compile_rng's kernels for torch's random ops ------------------------------
+# (compile_rng.eager.random_kernels). torch.library's impl/get_kernel are public; listing
+# the dispatcher's ops, asking where an op has a kernel, the thread state the autograd
+# engine hands its device threads and a library's removal have no public form.
+
+#: The backend keys a random op's kernel is replaced at where torch has one: every dense
+#: device, as a dispatch mode sees every device (Meta is left alone: tracing sees stock shapes).
+BACKEND_KEYS = (
+    "CPU", "CUDA", "HIP", "XPU", "MPS", "HPU", "MTIA", "MAIA", "IPU", "VE", "XLA", "Lazy",
+    "PrivateUse1", "PrivateUse2", "PrivateUse3",
+)
+
+
+def random_op_overloads() -> list[OpOverload]:
+    """Every aten overload tagged ``nondeterministic_seeded`` (``torch._C._dispatch_get_all_op_names``;
+    2.11.0-2.15.0): ~150, listed in ~0.1 s."""
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, qualified = name.partition("::")
+        if namespace != "aten":
+            continue
+        base, _, overload = qualified.partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
+            found.append(op)
+    return found
+
+
+def has_backend_kernel(op: OpOverload, key: str) -> bool:
+    """Whether ``op`` has a kernel of its own at backend ``key`` (a backend or
+    CompositeExplicitAutograd registration), not a CompositeImplicitAutograd
+    decomposition, which must keep running above autograd
+    (``torch._C._dispatch_has_computed_kernel_for_dispatch_key``; 2.11.0-2.15.0)."""
+    name = op.name()
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, key) and not (
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    )
+
+
+def thread_object(key: str) -> Any:
+    """The object :func:`set_thread_object` put under ``key`` for this thread, or None.
+    The autograd engine runs a backward under the thread state of the thread that called
+    it, these objects included: a CUDA backward's device thread sees the caller's
+    (``torch._C._get_obj_in_tls``; 2.11.0-2.15.0)."""
+    return torch._C._get_obj_in_tls(key) if torch._C._is_key_in_tls(key) else None
+
+
+def set_thread_object(key: str, value: Any) -> None:
+    """Put ``value`` under ``key`` for this thread (None: take it away; 2.11 and 2.12 have
+    no removal, there None is stored)."""
+    if value is None and hasattr(torch._C, "_remove_obj_from_tls"):
+        # torch 2.13+: an object left in a thread's state is freed at thread exit, which
+        # needs the GIL there (autograd/graph.py removes its own for that reason)
+        if torch._C._is_key_in_tls(key):
+            torch._C._remove_obj_from_tls(key)
+        return
+    torch._C._stash_obj_in_tls(key, value)
+
+
+def unregister_library(library: torch.library.Library) -> None:
+    """Remove every kernel ``library`` registered (``Library._destroy``; 2.11.0-2.15.0:
+    torch removes them only when the object is collected)."""
+    library._destroy()
+
+
+def rng_state_replay_codes() -> tuple:
+    """The code objects of the eager implementations of ``run_and_save_rng_state``,
+    ``run_with_rng_state`` and ``graphsafe_run_with_rng_state`` (``torch._prims.rng_prims``'
+    ``HigherOrderOperator.py_kernels``; 2.11.0-2.15.0): a random op that runs under one
+    of them is one a graph compiled by another backend replays from torch's generator."""
+    import torch._prims.rng_prims  # noqa: F401  (registers the operators)
+
+    codes = []
+    for name in ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state"):
+        operator = getattr(torch.ops.higher_order, name, None)
+        for kernel in getattr(operator, "py_kernels", {}).values():
+            code = getattr(kernel, "__code__", None)
+            if code is not None:
+                codes.append(code)
+    return tuple(codes)
 
 
 def trunc_normal_redraws() -> bool:

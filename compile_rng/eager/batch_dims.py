@@ -21,15 +21,16 @@ ops, and code outside a step, never get here.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from types import CodeType
 from typing import Any
 
 from torch import nn
 
+from compile_rng.eager.user_code import stack_frames
 
-def _rules() -> dict[CodeType, Callable[[Any], tuple[int, str]]]:
+
+def _rules() -> dict[int, Callable[[Any], tuple[int, str]]]:
+    """``id`` of a module method's code -> its rule (the methods live as long as torch)."""
     def recurrent(module: Any) -> tuple[int, str]:
         return 1, f"{type(module).__name__}'s dropout between layers is sequence-major"
 
@@ -41,15 +42,15 @@ def _rules() -> dict[CodeType, Callable[[Any], tuple[int, str]]]:
     def attention(module: Any) -> tuple[int, str]:
         return 0, "MultiheadAttention's attention dropout is batch-major"
 
-    rules: dict[CodeType, Callable[[Any], tuple[int, str]]] = {}
+    rules: dict[int, Callable[[Any], tuple[int, str]]] = {}
     for cls in (nn.RNN, nn.LSTM, nn.GRU):
-        rules[cls.forward.__code__] = recurrent
+        rules[id(cls.forward.__code__)] = recurrent
     for cls in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
         for name in ("forward", "_sa_block", "_mha_block", "_ff_block"):
             method = vars(cls).get(name)
             if method is not None:
-                rules[method.__code__] = layer
-    rules[nn.MultiheadAttention.forward.__code__] = attention
+                rules[id(method.__code__)] = layer
+    rules[id(nn.MultiheadAttention.forward.__code__)] = attention
     return rules
 
 
@@ -59,10 +60,8 @@ _RULES = _rules()
 def batch_dim_here(default: int) -> tuple[int, str]:
     """``(dim, why)``: the batch dim of the random op being drawn now, by the innermost of
     torch's modules above on the Python stack that says it, else ``default`` (why: "")."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        rule = _RULES.get(frame.f_code)
+    for frame in stack_frames():
+        rule = _RULES.get(id(frame.f_code))
         if rule is not None:
             return rule(frame.f_locals.get("self"))
-        frame = frame.f_back
     return default, ""

@@ -1,9 +1,13 @@
-"""Dispatch modes that put eager random ops on compile_rng's stream.
+"""The eager stream: random ops on plain tensors and local pieces drawn from compile_rng's stream.
 
 * :class:`RandomOpMode` replaces each random op (plain or local tensors) with the
   functional op at the counters a callback assigns; the DTensor tracker
-  (:mod:`compile_rng.eager.tracker`) runs one with the shard's layout, :func:`eager_stream`
-  and :func:`compiled_call` with a plain tensor's (a replica on a one-rank mesh);
+  (:mod:`compile_rng.eager.tracker`) runs one with the shard's layout;
+* :func:`eager_stream` and :func:`compiled_call` draw a plain tensor's random ops as a
+  replica on a one-rank mesh's, through the kernels of
+  :mod:`~compile_rng.eager.random_kernels` (no other op reaches Python), and enter a
+  :class:`RandomOpMode` only once a tensor-parallel rank's local piece is recorded: every
+  op on a piece must be followed;
 * :func:`recorded_counters` - the counters each eager random op drew (for
   ``trunc_normal_``'s redraws).
 
@@ -13,9 +17,9 @@ Nothing here needs DTensor: plain-tensor code pays no DTensor import.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import math
-import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,14 +27,19 @@ from typing import Any
 import torch
 
 from compile_rng import ops as cr_ops
-from compile_rng.eager import batch_dims
+from compile_rng.eager import batch_dims, random_kernels
+from compile_rng.eager.user_code import stack_frames
 from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,
+    dispatch_mode_stack,
     higher_order_op_name,
+    insert_dispatch_mode,
     is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
+    remove_dispatch_mode,
+    rng_state_replay_codes,
 )
 from compile_rng.semantics import local_values
 from compile_rng.semantics.random_ops import (
@@ -213,27 +222,31 @@ class RandomOpMode(TorchDispatchMode):
             # a tensor-parallel rank's local piece of a DTensor: recorded only once DTensor
             # exists, so its dispatch (which imports DTensor) has registered by then
             return _local_piece_dispatch[0](func, args, kwargs)
-        if kind is _OpKind.RANDOM_WITHOUT_RULE:
-            kw = normalized_arguments(func, args, kwargs)
-            if kw.get("generator") is not None:
-                raise _generator_error(func)
-            if draws(func, kw):
-                raise unsupported(func, kw)
-            return func(*args, **kwargs)
-        kw = normalized_arguments(func, args, kwargs)
-        if kw.get("generator") is not None:
-            raise _generator_error(func)
-        device = _out_device(kw)
-        if device.type == "meta":  # shapes only: nothing drawn (as torch's generators)
-            return func(*args, **kwargs)
-        size, dtype = _out_shape_dtype(func, kw)
-        key, offset, strides = self.counters(func, size, device)
-        if isinstance(offset, Pieces):
-            return _draw_pieces(func, kw, key, offset, size, dtype)
-        log = _counter_log.get()
-        if log is not None:
-            log.append(Counters(key, offset, tuple(strides), tuple(size)))
-        return _draw(func, kw, key, offset, strides, size, dtype)
+        return _random_op(self.counters, func, args, kwargs, func)
+
+
+def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
+    """Random op ``func`` on plain tensors drawn at the counters ``counters`` assigns (see
+    :class:`RandomOpMode`); one without a counter-based form is refused where it draws.
+    ``stock(*args, **kwargs)`` is torch's own op, for what draws nothing."""
+    kw = normalized_arguments(func, args, kwargs)
+    if kw.get("generator") is not None:
+        raise _generator_error(func)
+    if _op_kind(func) is _OpKind.RANDOM_WITHOUT_RULE:
+        if draws(func, kw):
+            raise unsupported(func, kw)
+        return stock(*args, **kwargs)
+    device = _out_device(kw)
+    if device.type == "meta":  # shapes only: nothing drawn (as torch's generators)
+        return stock(*args, **kwargs)
+    size, dtype = _out_shape_dtype(func, kw)
+    key, offset, strides = counters(func, size, device)
+    if isinstance(offset, Pieces):
+        return _draw_pieces(func, kw, key, offset, size, dtype)
+    log = _counter_log.get()
+    if log is not None:
+        log.append(Counters(key, offset, tuple(strides), tuple(size)))
+    return _draw(func, kw, key, offset, strides, size, dtype)
 
 
 def _higher_order_op(mode: RandomOpMode, func, args: tuple, kwargs: dict):
@@ -245,15 +258,19 @@ def _higher_order_op(mode: RandomOpMode, func, args: tuple, kwargs: dict):
         _, op, *op_args = args
         if not (is_random(op) and draws(op, normalized_arguments(op, tuple(op_args), kwargs))):
             return mode.__torch_dispatch__(op, [], tuple(op_args), kwargs)
-        raise NotImplementedError(
-            f"compile_rng: {op} draws inside run_with_rng_state: a graph compiled by another backend "
-            "(stock Inductor) checkpoints a random op and replays torch's generator for it. Compile the "
-            "region with compile_rng.backend(...), whose graphs draw from the stream in both passes"
-        )
+        raise _replay_error(op)
     raise NotImplementedError(
         f"compile_rng: the higher-order op {higher_order_op_name(func)} ran eagerly under compile_rng's "
         "random-op mode, which cannot see the random ops inside it. Compile the code that calls it "
         "(torch.compile with compile_rng.backend(...)), or run it outside the step"
+    )
+
+
+def _replay_error(op: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"compile_rng: {op} draws inside run_with_rng_state: a graph compiled by another backend "
+        "(stock Inductor) checkpoints a random op and replays torch's generator for it. Compile the "
+        "region with compile_rng.backend(...), whose graphs draw from the stream in both passes"
     )
 
 
@@ -330,10 +347,94 @@ def eager_key(
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
     # along the dim torch's module or the step says
+    if _under_rng_replay():
+        raise _replay_error(func)
     rows = current_rows()
     batch_dim = batch_dims.batch_dim_here(step_batch_dim()) if rows is not None else (0, "")
     key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch_dim=batch_dim)
     return key, offset, strides if strides is not None else contiguous_strides(size)
+
+
+_replay_codes: frozenset | None = None
+
+
+def _under_rng_replay() -> bool:
+    """Whether the random op being drawn runs under torch's ``run_with_rng_state`` (or its
+    forward twin): a graph compiled by another backend that would replay torch's generator
+    for it in the backward. A dispatch mode meets the operator itself; the kernels of
+    :mod:`~compile_rng.eager.random_kernels` meet only the op inside, so the Python stack
+    says it (read only when a stream's random op draws)."""
+    global _replay_codes
+    if _replay_codes is None:
+        _replay_codes = frozenset(map(id, rng_state_replay_codes()))
+    return any(id(frame.f_code) in _replay_codes for frame in stack_frames())
+
+
+def _stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
+    """The eager stream's handler of a random op on plain tensors (a
+    :mod:`~compile_rng.eager.random_kernels` kernel's): drawn as a replica, or as its
+    piece where a tensor-parallel rank's recorded local piece is among the operands."""
+    if local_values.touches((args, kwargs)):
+        return _local_piece_dispatch[0](func, args, kwargs)
+    return _random_op(_plain_counters, func, args, kwargs, stock)
+
+
+class _PieceMode(RandomOpMode):
+    """A stream's dispatch mode for tensor-parallel ranks' local pieces: every op on a
+    recorded piece must pass through compile_rng, which follows the piece's layout
+    (:mod:`compile_rng.eager.eager_shards`). A stream enters it only once a piece is
+    recorded; plain code never pays for it.
+
+    Dynamo compiles under a mode that ignores compile internals and the compiled graphs
+    run under it; only the eager code between graphs reaches the mode with random ops
+    (the graphs' own random ops are functional already)."""
+
+    def __init__(self) -> None:
+        super().__init__(_plain_counters, plain_only=True)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class _Stream:
+    """The outermost eager stream block of a thread: where its piece mode goes."""
+
+    def __init__(self) -> None:
+        self.depth = len(dispatch_mode_stack())
+        self.piece_mode: _PieceMode | None = None
+
+    def follow_pieces(self) -> None:
+        """Enter the piece mode (once) at the depth the stream began at, under any mode
+        the stream's code entered since, so that it lasts as long as the stream."""
+        if self.piece_mode is None:
+            self.piece_mode = _PieceMode()
+            insert_dispatch_mode(self.piece_mode, self.depth)
+
+    def close(self) -> None:
+        if self.piece_mode is not None:
+            remove_dispatch_mode(self.piece_mode)
+
+
+_stream: contextvars.ContextVar[_Stream | None] = contextvars.ContextVar("compile_rng_stream", default=None)
+
+
+@contextlib.contextmanager
+def _drawing() -> Iterator[None]:
+    """Random ops on plain tensors draw from the stream in the block; a nested block
+    leaves following pieces to the outermost, whose pieces outlive the inner block."""
+    if _stream.get() is not None:
+        with random_kernels.drawing(_stream_op):
+            yield
+        return
+    stream = _Stream()
+    token = _stream.set(stream)
+    try:
+        with random_kernels.drawing(_stream_op), local_values.recording(stream.follow_pieces):
+            yield
+    finally:
+        _stream.reset(token)
+        stream.close()
 
 
 @contextlib.contextmanager
@@ -341,18 +442,16 @@ def eager_stream() -> Iterator[None]:
     """Eager random ops on plain tensors inside the block draw from compile_rng's
     stream (a plain tensor is a replica on a one-rank mesh: counter ``base + i``, then
     ``base += ceil4(numel)``), exactly as they would in a compiled graph. DTensor ops
-    keep going through the tracker. Disables ``torch.compile`` inside the block."""
-    with RandomOpMode(_plain_counters, plain_only=True), local_values.recording():
+    keep going through the tracker. Only random ops reach compile_rng
+    (:mod:`~compile_rng.eager.random_kernels`); a graph compiled by another backend that
+    draws in the block is refused."""
+    with _drawing():
         yield
 
 
-class _SegmentMode(RandomOpMode):
-    # Dynamo compiles under a mode that ignores compile internals and the compiled
-    # graphs run under it; only the eager code between graphs reaches the mode with
-    # random ops (the graphs' own random ops are functional already).
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
+def in_stream() -> bool:
+    """Whether eager random ops on plain tensors here draw from compile_rng's stream."""
+    return random_kernels.active() is not None or any(isinstance(m, RandomOpMode) for m in dispatch_mode_stack())
 
 
 _IN_COMPILED_CALL = contextvars.ContextVar("compile_rng_in_compiled_call", default=False)
@@ -365,7 +464,7 @@ def compiled_call() -> Iterator[None]:
     :func:`eager_stream`), while ``torch.compile`` keeps compiling inside."""
     token = _IN_COMPILED_CALL.set(True)
     try:
-        with _SegmentMode(_plain_counters, plain_only=True), local_values.recording():
+        with _drawing():
             yield
     finally:
         _IN_COMPILED_CALL.reset(token)
@@ -378,12 +477,13 @@ def in_compiled_call() -> bool:
 
 @contextlib.contextmanager
 def graph_call() -> Iterator[None]:
-    """Around a compiled graph, and around a compile: the graph's ops skip
-    :func:`compiled_call`'s modes (its random ops are functional already, which saves a
-    Python dispatch per op), and so does the compile - a compile can run while a step's
-    eager code runs (DDP's optimizer compiles its pieces at their first call), and
-    Inductor traces its own patterns then, random ops included."""
+    """Around a compiled graph, and around a compile: the graph's ops skip the stream
+    (its random ops are functional already; the piece mode would cost a Python dispatch
+    per op), and so does the compile - a compile can run while a step's eager code runs
+    (DDP's optimizer compiles its pieces at their first call), and Inductor traces its
+    own patterns then, random ops included."""
     with contextlib.ExitStack() as stack:
-        while isinstance(current_dispatch_mode(), _SegmentMode):
+        while isinstance(current_dispatch_mode(), _PieceMode):
             stack.enter_context(pop_dispatch_mode_temporarily())
+        stack.enter_context(random_kernels.drawing(None))
         yield

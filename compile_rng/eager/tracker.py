@@ -44,7 +44,7 @@ from compile_rng._torch.dtensor_internals import (
     rng_tracker,
 )
 from compile_rng._torch.dynamo_internals import eager_contextmanager
-from compile_rng.eager import batch_dims
+from compile_rng.eager import batch_dims, random_kernels
 from compile_rng.eager.dispatch_modes import RandomOpMode, eager_key
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
@@ -116,7 +116,14 @@ class Tracker(dtensor_rng_tracker_base()):
     # calls it from a compiled frame graph-breaks and runs the region eagerly.
     @eager_contextmanager
     def region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
-        """The region DTensor runs a random op's local op in (its ``_distribute_region``)."""
+        """The region DTensor runs a random op's local op in (its ``_distribute_region``).
+        The local op is never an eager stream's plain random op: where this region draws
+        nothing itself (torch's tracker's meshes, a disabled region), it draws torch's."""
+        with random_kernels.drawing(None):
+            yield from self.drawing_region(spec, generator)
+
+    def drawing_region(self, spec: Any, generator: torch.Generator | None) -> Iterator[None]:
+        """:meth:`region`'s body (a generator): this tracker's mode or torch's tracker's region."""
         if not state.serves(spec.mesh):
             fallback = self.fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled

@@ -37,7 +37,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from compile_rng._torch.core_internals import dispatch_mode_stack
 from compile_rng._torch.dynamo_internals import disable_dynamo
 from compile_rng.eager import dispatch_modes
 from compile_rng import stream
@@ -66,7 +65,7 @@ def _on_the_stream(tensor: torch.Tensor) -> bool:
         from compile_rng.eager import tracker
 
         return state.serves(tensor.device_mesh) and tracker.installed()
-    return any(isinstance(m, dispatch_modes.RandomOpMode) for m in dispatch_mode_stack())
+    return dispatch_modes.in_stream()
 
 
 def _on_stream_applies(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +45,16 @@ class Lost:
 
 
 _values: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-_recording: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_rng_recording_local_values", default=False)
+_recording: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "compile_rng_recording_local_values", default=None
+)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """Record ``to_local()`` results of sharded DTensors inside the block."""
-    token = _recording.set(True)
+def recording(on_piece: Callable[[], None]) -> Iterator[None]:
+    """Record ``to_local()`` results of sharded DTensors inside the block, calling
+    ``on_piece()`` at each recorded piece (the stream then follows the ops on it)."""
+    token = _recording.set(on_piece)
     try:
         yield
     finally:
@@ -59,7 +62,7 @@ def recording() -> Iterator[None]:
 
 
 def is_recording() -> bool:
-    return _recording.get()
+    return _recording.get() is not None
 
 
 def _real(tensor: Any) -> bool:
@@ -73,8 +76,11 @@ def record(tensor: Any, value: Layout | Lost | None) -> None:
         return
     if value is None:
         _values.pop(tensor, None)
-    else:
-        _values[tensor] = value
+        return
+    _values[tensor] = value
+    on_piece = _recording.get()
+    if on_piece is not None:
+        on_piece()
 
 
 def lookup(tensor: Any) -> Layout | Lost | None:

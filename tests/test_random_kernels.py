@@ -1,0 +1,155 @@
+"""Only random ops reach compile_rng in a step (compile_rng.eager.random_kernels).
+
+A step used to see every aten op through a dispatch mode (a Python call per op, forward,
+backward and recomputation); now each random op has a kernel over torch's, and every other
+op runs torch's kernel with no Python in between. These tests pin that down (a plain op
+meets no compile_rng frame: the mode design fails it), what the kernels serve (every random
+overload with a kernel of its own), what they leave as it was (values, errors, autograd
+outside a step; ``uninstall()`` removes them) and what they cannot see, refused: a random
+op that torch's ``run_with_rng_state`` replays.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compile_rng
+from compile_rng._torch import core_internals
+from compile_rng.eager import dispatch_modes
+
+pytestmark = pytest.mark.torch_independent
+
+
+def _compile_rng_frames(fn) -> list[str]:
+    """The Python functions of compile_rng (and any ``__torch_dispatch__``) that ``fn()`` calls."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if "compile_rng" in code.co_filename or code.co_name == "__torch_dispatch__":
+                seen.append(f"{code.co_filename}:{code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_a_plain_op_in_a_step_runs_torchs_kernel_without_python():
+    """Forward and backward of plain ops inside a step call no compile_rng code and no
+    dispatch mode; the step's dropout does (it is the one op served)."""
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+
+    def plain():
+        torch.relu(torch.addmm(x, x, w)).sum().backward()
+
+    with compile_rng.step(4):
+        assert _compile_rng_frames(plain) == []
+        assert _compile_rng_frames(lambda: F.dropout(x, 0.5)) != []
+
+
+def test_every_random_overload_with_a_kernel_of_its_own_is_served():
+    """Each aten overload tagged ``nondeterministic_seeded`` that has a CPU kernel of its
+    own (not a decomposition into the others) dispatches to compile_rng's kernel."""
+    with dispatch_modes.eager_stream():
+        pass
+    served = [op for op in core_internals.random_op_overloads() if core_internals.has_backend_kernel(op, "CPU")]
+    assert {torch.ops.aten.bernoulli_.float, torch.ops.aten.native_dropout.default, torch.ops.aten.randperm.default} <= set(served)
+    for op in served:
+        cpu = [line for line in torch._C._dispatch_dump_table(op.name()).splitlines() if line.startswith("CPU:")]
+        assert cpu and "compile_rng" in cpu[0], (op, cpu)
+
+
+def _stock_draws() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.ones(6, 5, requires_grad=True)
+    y = F.dropout(x, 0.5)
+    y.sum().backward()
+    return [torch.rand(4, generator=g), torch.randperm(7, generator=g), torch.randn(3, generator=g), y, x.grad]
+
+
+def test_outside_a_step_random_ops_are_torchs_values_errors_and_autograd():
+    """With the kernels registered, outside a step: torch's values (the same generator
+    draws), its errors and its autograd (a leaf that requires grad refuses an in-place
+    draw); after ``uninstall()`` the registrations are gone and the same holds."""
+    with dispatch_modes.eager_stream():
+        pass  # the kernels are registered
+
+    def errors() -> list[str]:
+        found = []
+        for bad in (lambda: torch.rand(3, dtype=torch.int64),
+                    lambda: torch.ones(2, requires_grad=True).bernoulli_(0.5),
+                    lambda: torch.randint(5, 2, (3,))):
+            with pytest.raises((RuntimeError, ValueError)) as info:
+                bad()
+            found.append(str(info.value))
+        return found
+
+    torch.manual_seed(11)
+    served, served_errors = _stock_draws(), errors()
+    compile_rng.uninstall()
+    try:
+        assert not any("compile_rng" in torch._C._dispatch_dump_table(op.name())
+                       for op in core_internals.random_op_overloads())
+        torch.manual_seed(11)
+        stock, stock_errors = _stock_draws(), errors()
+    finally:
+        compile_rng.install()
+    assert all(torch.equal(a, b) for a, b in zip(served, stock))
+    assert served_errors == stock_errors
+
+
+def _registered() -> bool:
+    return "compile_rng" in torch._C._dispatch_dump_table(torch.ops.aten.bernoulli_.float.name())
+
+
+def test_a_step_draws_the_stream_installed_uninstalled_and_reinstalled():
+    """The values a step draws come from compile_rng's stream (the same seed, the same
+    masks) installed, uninstalled (the kernels are registered for the step's length only)
+    and installed again."""
+    x = torch.ones(8, 4)
+
+    def masks():
+        compile_rng.set_state(5, 0)
+        with compile_rng.step(8):
+            assert _registered()
+            return F.dropout(x, 0.5), torch.rand(8, 3)
+
+    before = masks()
+    compile_rng.uninstall()
+    try:
+        uninstalled = masks()
+        assert not _registered()
+    finally:
+        compile_rng.install()
+    after = masks()
+    assert all(torch.equal(a, b) for a, b in zip(before, uninstalled))
+    torch.manual_seed(5)  # torch's own generator at the same seed draws other values
+    stock = F.dropout(x, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert not torch.equal(before[0], stock)
+
+
+def test_a_random_op_torch_replays_is_refused_in_a_step():
+    """``run_and_save_rng_state`` / ``run_with_rng_state`` (another backend's checkpointed
+    random op, replayed from torch's generator in the backward) draw in a step only to be
+    refused - the kernels see the op, not the operator, so the Python stack says it. An op
+    that draws nothing under them runs."""
+    hop = torch.ops.higher_order
+    q = torch.randn(1, 1, 4, 8)
+    with compile_rng.step(1):
+        with pytest.raises(NotImplementedError, match="run_with_rng_state"):
+            hop.run_and_save_rng_state(torch.ops.aten.rand.default, [4], device=torch.device("cpu"))
+        state = torch.get_rng_state()
+        with pytest.raises(NotImplementedError, match="run_with_rng_state"):
+            hop.run_with_rng_state(state, torch.ops.aten.rand.default, [4], device=torch.device("cpu"))
+        _, out = hop.run_and_save_rng_state(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q)
+        assert out[0].shape == q.shape
