@@ -1,12 +1,15 @@
 """The Triton kernels compiled ahead of time for NVIDIA GPUs, without a GPU: registers,
 spills and compile time per variant and GPU, and (``--per-element``) SASS instructions
-per element of uniform, normal and dropout on sm_90 with the H100 prediction they give.
+per element of uniform, normal and dropout (float32, bfloat16) on sm_90 with the H100
+prediction they give, for compile_rng's kernels and for the Triton kernel stock Inductor
+generates for the same graph (``rand_like``, ``randn_like``, ``F.dropout`` in training).
 
     python benchmarks/aot_gpu.py [--arch 80 90 100] [--only dropout ...] [--jobs N]
                                  [--full] [--cache] [--json out.json] [--per-element]
 
 By default the compiles use a fresh Triton cache (real compile times) and the output is
-a summary per op; ``--full`` prints every variant. Nothing runs on a GPU: the
+a summary per op; ``--full`` prints every variant; ``--only`` also picks the
+``--per-element`` rows (``--only dropout.float32`` for one). Nothing runs on a GPU: the
 ``--per-element`` figures are a prediction until ``bench_gpu.py`` runs on one.
 """
 
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -175,40 +178,174 @@ H100_PER_SM_CLOCK = {
     "conversion": 16,
 }
 
-#: variant -> bytes moved per element (fp32): uniform/normal write 4; dropout reads 4,
-#: writes 4 and a 1-byte mask.
-PER_ELEMENT = {"uniform.float32.stream": 4, "normal.float32.stream": 4, "dropout.float32.stream": 9}
+#: The per-element table's rows: op x dtype, on 64M elements (bench_gpu.py's and Nsight
+#: Compute's size; it sets stock Inductor's size hint, hence its block size).
+OPS, DTYPES, N_ELEMENTS = ("uniform", "normal", "dropout"), ("float32", "bfloat16"), 1 << 26
 
 
-def per_element() -> None:
-    from compile_rng.stream import accelerator_ops as ao, triton_kernels as tk
+def bytes_per_element(op: str, dtype: str) -> int:
+    """Bytes a kernel moves per element: uniform and normal write a value; dropout reads
+    one and writes one and a 1-byte keep mask (compile_rng's op and stock's training
+    forward, whose mask is saved for the backward, alike)."""
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    return 2 * size + 1 if op == "dropout" else size
 
-    print("\nsm_90 SASS per element (common path) and the H100 SXM5 prediction "
-          f"({H100_SMS} SMs, {H100_CLOCK_HZ / 1e9:.2f} GHz, HBM {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, "
-          f"fill_ at {FILL_EFFICIENCY:.0%} of it):")
-    fill_ps = 4 / (H100_HBM_BYTES_PER_S * FILL_EFFICIENCY) * 1e12
-    sm_clocks = H100_SMS * H100_CLOCK_HZ
-    for name, nbytes in PER_ELEMENT.items():
-        result, asm = gpu_aot.compile_variant(name, 90)
-        c = dict(ao.specializations()[name].constexprs)
-        per_thread = (c["BLOCK"] * 4 if c["CONTIG"] else c["BLOCK"]) / (tk.OPTIONS["num_warps"] * 32)
-        executed = executed_per_thread(_sass_with_addresses(asm["cubin"]))
-        classes = Counter(_classify(i) for i in executed)
-        per_elem = {k: v / per_thread for k, v in classes.items()}
-        total = len(executed) / per_thread
-        ps = {"issue": total / (sm_clocks * H100_PER_SM_CLOCK["issue"]) * 1e12}
+
+@dataclass(frozen=True)
+class PerElement:
+    """One kernel's sm_90 hot path: instructions one thread executes, and the elements it
+    produces with them."""
+
+    kernel: str  # what was compiled, for the listing
+    registers: int
+    executed: tuple[str, ...]  # the common path, one thread
+    elements_per_thread: float
+
+    @property
+    def total(self) -> float:
+        return len(self.executed) / self.elements_per_thread
+
+    def by_class(self) -> dict[str, float]:
+        counts = Counter(_classify(i) for i in self.executed)
+        return {k: v / self.elements_per_thread for k, v in counts.items()}
+
+    def predict(self, nbytes: int) -> tuple[dict[str, float], str]:
+        """ps per element each limit of the H100 model allows, and the binding one."""
+        sm_clocks = H100_SMS * H100_CLOCK_HZ
+        per_elem = self.by_class()
+        ps = {"issue": self.total / (sm_clocks * H100_PER_SM_CLOCK["issue"]) * 1e12}
         for k, rate in H100_PER_SM_CLOCK.items():
             if k != "issue":
                 ps[k] = per_elem.get(k, 0.0) / (sm_clocks * rate) * 1e12
         ps["HBM"] = nbytes / (H100_HBM_BYTES_PER_S * FILL_EFFICIENCY) * 1e12
-        limit = max(ps, key=ps.get)
-        bound = ps[limit]
-        print(f"- {name}: {result.resources.registers} regs, {total:.1f} instructions/element: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_elem.items(), key=lambda kv: -kv[1])))
-        print("    ps/element by limit: " + ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in ps.items()))
-        print(f"    predicted {bound:.2f} ps/element = {bound / 1e3:.4f} ns/element ({limit}-bound); "
-              f"{ps['HBM'] / bound:.0%} of fill_'s bandwidth; {bound / fill_ps:.2f}x a float32 fill_ "
-              f"({fill_ps:.2f} ps/element)")
+        return ps, max(ps, key=ps.get)
+
+
+def compile_rng_count(op: str, dtype: str) -> PerElement:
+    """compile_rng's eager kernel for ``op`` on a contiguous ``dtype`` output: each program
+    writes ``BLOCK`` Philox blocks of four elements (``CONTIG``) or ``BLOCK`` elements."""
+    from compile_rng.stream import accelerator_ops as ao, triton_kernels as tk
+
+    name = f"{op}.{dtype}.stream"
+    result, asm = gpu_aot.compile_variant(name, 90)
+    c = dict(ao.specializations()[name].constexprs)
+    per_thread = (c["BLOCK"] * 4 if c["CONTIG"] else c["BLOCK"]) / (tk.OPTIONS["num_warps"] * 32)
+    executed = executed_per_thread(_sass_with_addresses(asm["cubin"]))
+    return PerElement(name, result.resources.registers, tuple(executed), per_thread)
+
+
+def _stock_graph(op: str):
+    """The graph a user compiles with stock torch, as a function of ``x``: ``rand_like``,
+    ``randn_like``, and ``F.dropout(x, p)`` in training - whose forward, once AOTAutograd
+    has split it, is ``native_dropout``: the values and the keep mask saved for the
+    backward, the outputs of compile_rng's dropout."""
+    import torch
+
+    return {
+        "uniform": lambda x: torch.rand_like(x),
+        "normal": lambda x: torch.randn_like(x),
+        "dropout": lambda x: torch.native_dropout(x, 0.3, True),
+    }[op]
+
+
+def stock_counts(op: str, dtype: str) -> list[PerElement]:
+    """Stock Inductor's generated Triton kernel for the same graph on a (fake) H100, one
+    count per config its autotuner would try (it picks one by timing them on the GPU).
+
+    The code comes from ``tests/fake_cuda_inductor.py`` (Inductor's decompositions and
+    random-op pass, lowering and codegen on fake CUDA tensors, no GPU): a test helper, as
+    it uses private torch APIs, which the library keeps in ``compile_rng/_torch/``; this
+    script puts ``tests/`` on ``sys.path`` for it. The kernel is compiled with what
+    Inductor's launcher hands ``triton.compile`` (signature, constants, attributes,
+    options) through :func:`gpu_aot.compile_source`, and walked like compile_rng's.
+
+    Elements per thread: Inductor's 1-D pointwise kernel (size hints ``{'x': n}``) has no
+    loop; program ``pid`` covers ``xindex = pid * XBLOCK + arange(0, XBLOCK)``, ``XBLOCK``
+    being the config's constexpr, so with ``n % XBLOCK == 0`` (``xmask`` all true) each
+    program produces exactly ``XBLOCK`` elements, spread by Triton's blocked layout over
+    the program's ``32 * num_warps`` threads (``num_warps`` from the same config), which
+    all run the same straight-line path. Per element = per-thread count x threads per
+    program / XBLOCK - what Nsight Compute's executed thread-instructions / n gives. A
+    thread may hold copies of values another computes too (``rand4x`` draws XBLOCK / 4
+    Philox blocks: with XBLOCK 512 on 256 threads each block is computed twice); the
+    formula charges those, as the GPU executes them."""
+    import torch
+
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import fake_cuda_inductor as fci
+
+    code = fci.generated_code(_stock_graph(op), [((N_ELEMENTS,), getattr(torch, dtype))], as_compiled=True)
+    ((name, source),) = fci.triton_kernels(code).items()  # one fused kernel (the seed is an aten call)
+    hints = re.search(r"size_hints=(\{.*?\})", source).group(1)
+    if eval(hints) != {"x": N_ELEMENTS} or re.search(r"^\s+for ", source, re.M):  # noqa: S307 - Inductor's literal
+        raise RuntimeError(f"{name}: not the 1-D pointwise kernel without a loop this count assumes:\n{source}")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{name}.py"
+        path.write_text(fci.jit_source(source))
+        for config in fci.launch_configs(source):
+            xblock, warps = config["kwargs"]["XBLOCK"], config["num_warps"]
+            if N_ELEMENTS % xblock or xblock % (32 * warps):
+                raise RuntimeError(f"{name}: XBLOCK {xblock}, {warps} warps: not whole programs of whole threads")
+            resources, asm = gpu_aot.compile_source(path, name, 90, **fci.compile_inputs(source, config))
+            if resources.spills:
+                raise RuntimeError(f"{name}: spills {resources}")
+            executed = executed_per_thread(_sass_with_addresses(asm["cubin"]))
+            out.append(PerElement(f"stock Inductor {op} {dtype} (XBLOCK {xblock}, {warps} warps)",
+                                  resources.registers, tuple(executed), xblock / (32 * warps)))
+    return out
+
+
+def _listing(p: PerElement, nbytes: int, fill_ps: float) -> None:
+    ps, limit = p.predict(nbytes)
+    bound = ps[limit]
+    print(f"- {p.kernel}: {p.registers} regs, {p.total:.1f} instructions/element: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(p.by_class().items(), key=lambda kv: -kv[1])))
+    print("    ps/element by limit: " + ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in ps.items()))
+    print(f"    predicted {bound:.2f} ps/element = {bound / 1e3:.4f} ns/element ({limit}-bound); "
+          f"{ps['HBM'] / bound:.0%} of fill_'s bandwidth at {nbytes} B/element; "
+          f"{bound / fill_ps:.2f}x a float32 fill_ ({fill_ps:.2f} ps/element)")
+
+
+def per_element(only: list[str] | None = None) -> list[dict]:
+    """Print, per op and dtype (rows whose ``op.dtype.stream`` contains one of ``only``),
+    compile_rng's and stock Inductor's sm_90 instructions per element with the H100
+    prediction, then the two side by side; return the table's rows."""
+    rows = [(op, dt) for dt in DTYPES for op in OPS if not only or any(s in f"{op}.{dt}.stream" for s in only)]
+    print("\nsm_90 SASS per element (common path) and the H100 SXM5 prediction "
+          f"({H100_SMS} SMs, {H100_CLOCK_HZ / 1e9:.2f} GHz, HBM {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, "
+          f"fill_ at {FILL_EFFICIENCY:.0%} of it); stock Inductor's kernel of the same graph on "
+          f"{N_ELEMENTS} elements, each autotune config:")
+    fill_ps = 4 / (H100_HBM_BYTES_PER_S * FILL_EFFICIENCY) * 1e12
+    table = []
+    for op, dt in rows:
+        nbytes = bytes_per_element(op, dt)
+        ours, stock = compile_rng_count(op, dt), stock_counts(op, dt)
+        for p in (ours, *stock):
+            _listing(p, nbytes, fill_ps)
+        table.append({"op": op, "dtype": dt, "bytes": nbytes, "compile_rng": ours, "stock": stock})
+
+    def cell(p: PerElement, nbytes: int) -> str:
+        ps, limit = p.predict(nbytes)
+        return f"{p.total:.1f} ({p.registers} regs, {ps[limit]:.2f} ps {limit.split(' (')[0]})"
+
+    def config(p: PerElement) -> str:
+        return p.kernel[p.kernel.index("(XBLOCK") + 1:-1]
+
+    print("\nInstructions per element, sm_90 hot path (registers, predicted H100 ps/element and its "
+          "limit). Stock Inductor: its first autotune config (XBLOCK 1024, 4 warps unless marked), then "
+          "the others its autotuner times on the GPU:")
+    print("| op | dtype | B/element | compile_rng | stock Inductor | compile_rng / stock | stock, other configs |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        ours, (first, *others), nbytes = r["compile_rng"], r["stock"], r["bytes"]
+        mark = "" if config(first) == "XBLOCK 1024, 4 warps" else f" [{config(first)}]"
+        print(f"| {r['op']} | {r['dtype']} | {nbytes} | {cell(ours, nbytes)} | {cell(first, nbytes)}{mark} | "
+              f"{ours.total / first.total:.2f} | " + "; ".join(f"{cell(p, nbytes)} [{config(p)}]" for p in others) + " |")
+    return [{"op": r["op"], "dtype": r["dtype"], "compile_rng": r["compile_rng"].total,
+             "stock": [p.total for p in r["stock"]]} for r in table]
 
 
 def main() -> None:
@@ -219,7 +356,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="every variant, not the summary")
     parser.add_argument("--cache", action="store_true", help="use Triton's cache (fast rerun, no real compile times)")
     parser.add_argument("--json", default=None, help="write every result here")
-    parser.add_argument("--per-element", action="store_true", help="sm_90 instructions per element and the prediction")
+    parser.add_argument("--per-element", action="store_true",
+                        help="sm_90 instructions per element, compile_rng's and stock Inductor's, and the prediction")
     args = parser.parse_args()
 
     import torch
@@ -241,7 +379,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     if args.per_element:
-        per_element()
+        per_element(args.only)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Run: ``python examples/hf_trainer_parity.py`` (the table; about a minute on 2 co
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -30,6 +29,8 @@ import sys
 import tempfile
 
 import torch
+
+from _cli import rank_or_table
 
 SAMPLES, GLOBAL_BATCH, SEQ, VOCAB = 40, 8, 16, 64
 
@@ -215,23 +216,18 @@ def table(runs: list[tuple[str, str, bool]]) -> dict[tuple[str, str, bool], floa
     return {r: relative(losses[r], losses[(r[0], "one process", r[2])]) for r in runs if r[1] != "one process"}
 
 
-def main() -> None:
-    from compile_rng.launch import end_of_rank
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", help="JSON list of [loop, configuration, parity] to run in this process")
-    parser.add_argument("--out", default="losses.json")
-    a = parser.parse_args()
-    if a.train:
-        _train(a.train, a.out)
-        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
-        return
+def _print_table() -> None:
     runs = [(loop, name, parity) for loop in LOOPS for name in CONFIGS for parity in (True, False)]
     cells = table(runs)
     print("max relative difference of every step's loss (float64) from the loop's one process")
     print(f"{'configuration':30} " + " ".join(f"{f'{loop} {kind}':>22}" for loop in LOOPS for kind in ("compile_rng", "stock")))
     for name in list(CONFIGS)[1:]:
         print(f"{name:30} " + " ".join(f"{cells[(loop, name, p)]:22.1e}" for loop in LOOPS for p in (True, False)))
+
+
+def main() -> None:
+    runs_help = "JSON list of [loop, configuration, parity] to run in this process"
+    rank_or_table(__doc__, "--train", runs_help, _train, _print_table, out="losses.json")
 
 
 if __name__ == "__main__":

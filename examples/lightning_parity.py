@@ -23,7 +23,6 @@ Run: ``python examples/lightning_parity.py`` (the table; about a minute on 2 cor
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,6 +30,8 @@ import sys
 import tempfile
 
 import torch
+
+from _cli import rank_or_table
 
 SAMPLES, GLOBAL_BATCH, STEPS, DIM = 40, 8, 10, 16
 CONFIGS = {  # name: (devices, per-device batch, accumulate_grad_batches)
@@ -162,17 +163,7 @@ RUNS = [(name, parity, "") for name in CONFIGS for parity in (True, False)] + [
 ]
 
 
-def main() -> None:
-    from compile_rng.launch import end_of_rank
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", help="JSON list of [configuration, parity, resume] to run in this process")
-    parser.add_argument("--out", default="losses.json")
-    a = parser.parse_args()
-    if a.train:
-        _train(a.train, a.out)
-        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
-        return
+def _print_table() -> None:
     cells = table(RUNS)
     print("max relative difference of every step's loss (float64) from one device")
     print(f"{'configuration':30} {'compile_rng':>12} {'stock':>12}")
@@ -182,6 +173,11 @@ def main() -> None:
     for (name, _, resume), difference in cells.items():
         if resume:
             print(f"{name:30} {resume:26} {difference:12.1e}")
+
+
+def main() -> None:
+    runs_help = "JSON list of [configuration, parity, resume] to run in this process"
+    rank_or_table(__doc__, "--train", runs_help, _train, _print_table, out="losses.json")
 
 
 if __name__ == "__main__":

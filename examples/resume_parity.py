@@ -27,7 +27,6 @@ Run: ``python examples/resume_parity.py`` (the table; about two minutes on 2 cor
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ import warnings
 import torch
 
 import hf_trainer_parity as hf
+from _cli import rank_or_table
 
 STEPS, STOP, BATCH = 10, 4, hf.GLOBAL_BATCH
 EPOCHS = STEPS * BATCH // hf.SAMPLES
@@ -265,18 +265,7 @@ def table(loops: tuple[str, ...] = LOOPS) -> tuple[dict, dict]:
     return cells, refused
 
 
-def main() -> None:
-    from compile_rng.launch import end_of_rank
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--phase", help="JSON list of [phase, loop, mode, saving ranks, ranks] to run here")
-    parser.add_argument("--root")
-    parser.add_argument("--out")
-    a = parser.parse_args()
-    if a.phase:
-        _phase(a.phase, a.root, a.out)
-        end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
-        return
+def _print_table() -> None:
     cells, refused = table()
     print(f"steps {STOP + 1}-{STEPS} after a resume: max relative loss difference from the uninterrupted run (float64)")
     print(f"{'loop':11} {'configuration':30} " + " ".join(f"{m:>15}" for m in MODES))
@@ -286,6 +275,11 @@ def main() -> None:
                 print(f"{loop:11} {name:30} " + " ".join(f"{cells[(loop, name, m)]:15.1e}" for m in MODES))
     for loop, message in refused.items():
         print(f"{loop} resuming a checkpoint saved without compile_rng's state: {'refused' if message else 'NOT refused'}")
+
+
+def main() -> None:
+    runs_help = "JSON list of [phase, loop, mode, saving ranks, ranks] to run here"
+    rank_or_table(__doc__, "--phase", runs_help, _phase, _print_table, root=None, out=None)
 
 
 if __name__ == "__main__":

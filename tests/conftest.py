@@ -20,3 +20,14 @@ def _fresh_state():
     compile_rng.manual_seed(0)
     compile_rng.run_seed(None)  # no test inherits another's declared run seed
     yield
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh Inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``, this test's
+    ``tmp_path``), with dynamo's compiled code reset before and after the test, so that a
+    compile reads and writes that folder only."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield tmp_path
+    torch._dynamo.reset()

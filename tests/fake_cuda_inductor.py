@@ -22,6 +22,7 @@ from unittest import mock
 import torch
 from torch._inductor.debug import DebugContext  # Scheduler logs IR through V.debug
 from torch._inductor.graph import GraphLowering  # lowering + codegen without compiling
+from torch._inductor.runtime import hints  # the names a kernel's decorator uses
 from torch._inductor.runtime.hints import DeviceProperties  # kernels' triton_meta
 from torch._inductor.virtualized import V  # the graph handler lowerings read
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -72,13 +73,30 @@ def _an_h100() -> Iterator[None]:
         yield
 
 
-def generated_code(fn: Callable, inputs: Sequence[tuple[Sequence[int], torch.dtype]]) -> str:
+def generated_code(fn: Callable, inputs: Sequence[tuple[Sequence[int], torch.dtype]], *,
+                   as_compiled: bool = False) -> str:
     """The module Inductor generates for ``fn`` (aten/custom ops on tensors) called on
-    CUDA tensors of the given ``(shape, dtype)``s."""
+    CUDA tensors of the given ``(shape, dtype)``s.
+
+    ``as_compiled``: first rewrite the graph as ``torch.compile`` would before lowering
+    it: Inductor's decompositions (``F.dropout``'s ``native_dropout`` into ``rand > p``
+    and multiplies, ``rand_like`` into ``rand``) and the joint-graph pass that turns
+    ``aten.rand``/``randn`` into Inductor's own random (``prims.inductor_random`` drawn
+    in the kernel from one seed per graph), unless ``config.fallback_random``. Without
+    it the graph is lowered as traced (compile_rng's custom ops need neither step)."""
     fake = FakeTensorMode()
     with fake:
         args = [torch.empty(list(shape), dtype=dtype, device="cuda") for shape, dtype in inputs]
-    gm = make_fx(fn, tracing_mode="fake")(*args)
+    if as_compiled:
+        from torch._inductor.decomposition import select_decomp_table  # Inductor's decompositions
+        from torch._inductor.fx_passes.replace_random import replace_random_passes  # joint-graph pass
+
+        gm = make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*args)
+        with _an_h100(), V.set_fake_mode(fake):
+            replace_random_passes(gm)
+            gm.recompile()
+    else:
+        gm = make_fx(fn, tracing_mode="fake")(*args)
     with _an_h100():
         graph = GraphLowering(gm, example_inputs=args)
         with V.set_graph_handler(graph), V.set_fake_mode(fake), DebugContext():
@@ -110,3 +128,41 @@ def triton_meta(kernel_source: str) -> dict:
     """The ``triton_meta`` Inductor gave a kernel: signature, constants, attributes."""
     text = re.search(r"triton_meta=(\{.*?\}),\n", kernel_source, re.S).group(1)
     return eval(text, {"DeviceProperties": lambda **k: k})  # noqa: S307 - Inductor's own literal
+
+
+def launch_configs(kernel_source: str) -> list[dict]:
+    """The configs Inductor's autotuner would try for a generated kernel on the (fake)
+    H100: its ``@triton_heuristics.<kind>(...)`` decorator evaluated with
+    ``return_configs=True`` (the heuristics' own switch; checked with torch 2.13). Each:
+    ``{"kwargs": {"XBLOCK": ...}, "num_warps": ..., "num_stages": ...}``. Where there are
+    several, the autotuner picks one by timing them on the GPU."""
+    from torch._inductor.runtime import triton_heuristics  # the kernels' config heuristics
+
+    call = kernel_source[kernel_source.index("@triton_heuristics.") + 1:kernel_source.index("\n@triton.jit")]
+    call = call.rstrip().removesuffix(")") + ", return_configs=True)"
+    with _an_h100():
+        configs = eval(call, {"triton_heuristics": triton_heuristics,  # noqa: S307 - Inductor's own code
+                              "DeviceProperties": DeviceProperties, "__file__": None,
+                              **{name: getattr(hints, name) for name in ("AutotuneHint", "ReductionHint", "TileHint")}})
+    return [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+
+
+def compile_inputs(kernel_source: str, config: dict) -> dict:
+    """What Inductor's autotuner hands ``triton.compile`` for a generated kernel under one
+    of its :func:`launch_configs` (``CachingAutotuner._create_compile_meta`` and
+    ``_create_compile_options``, torch 2.13): the signature (constexprs included), the
+    constants (the config's block sizes), the attributes (``configs[0]``: 16-divisibility)
+    and the options. ``debug`` is Inductor's ``assert_indirect_indexing``."""
+    meta = triton_meta(kernel_source)
+    inductor = eval(re.search(r"inductor_meta=(\{.*?\}),\n", kernel_source, re.S).group(1),  # noqa: S307
+                    {"AutotuneHint": hints.AutotuneHint, "set": set})
+    options = {
+        "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+        "debug": inductor.get("assert_indirect_indexing", True), "sanitize_overflow": False,
+        "enable_fp_fusion": meta.get("enable_fp_fusion", True),
+        "launch_cooperative_grid": False, "launch_pdl": meta.get("launch_pdl", False),
+    }
+    if meta.get("disable_ftz", False):
+        options["enable_reflect_ftz"] = False
+    return {"signature": dict(meta["signature"]), "constants": {**meta["constants"], **config["kwargs"]},
+            "attrs": dict(meta["configs"][0]), "options": options}

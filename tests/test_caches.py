@@ -162,16 +162,6 @@ def test_a_rank_never_runs_the_graph_another_rank_traced(tmp_path):
     assert first[0]["values"] != first[1]["values"]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    import torch
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    yield tmp_path
-    torch._dynamo.reset()
-
-
 def _dropout_twice(x):
     import torch.nn.functional as F
 

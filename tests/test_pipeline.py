@@ -223,14 +223,24 @@ def test_what_cannot_be_named_is_refused():
 # --- real ranks --------------------------------------------------------------------------
 
 
-def _dropped_body(rank: int, world: int, out: str) -> None:
-    pipe = pp.Pipeline("gpt", "1F1B", "PP=2", microbatches=4)
+def _capture_last_block(schedule: str, parallelism: str) -> list:
+    """What the last block's attention and MLP dropouts drop on this rank, forward and
+    backward (``pp.capture_dropped``; empty on a rank without the block), in one step of
+    the GPT under ``schedule`` and ``parallelism`` with 4 microbatches, from the single
+    process's seed, over this rank's data-parallel share of the batch (all of it without
+    data parallelism)."""
+    pipe = pp.Pipeline("gpt", schedule, parallelism, microbatches=4)
     captured = []
     for module in pipe.modules:
         pp.capture_dropped(module, "3", captured)
     torch.manual_seed(pp.SEED)
     tokens, targets = _batch()
-    pipe.step(tokens, targets)
+    pipe.step(tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord])
+    return captured
+
+
+def _dropped_body(rank: int, world: int, out: str) -> None:
+    captured = _capture_last_block("1F1B", "PP=2")
     unnamed = pp.train_pipeline("gpt", "1F1B", "PP=2", 1, 4, named=False)  # torch's own generator
     checkpointed = pp.train_pipeline("gpt", "1F1B", "PP=2+AC", 1, 4)  # blocks in checkpoint_wrapper
     if captured:
@@ -376,14 +386,7 @@ def test_zero_bubble_with_fsdp2_is_another_curve_in_stock_torch(tmp_path, monkey
 
 
 def _zero_bubble_fsdp2_masks_body(rank: int, world: int, out: str) -> None:
-    pipe = pp.Pipeline("gpt", "InterleavedZeroBubble", "PP=2xDP=2", microbatches=4)
-    captured = []
-    for module in pipe.modules:
-        pp.capture_dropped(module, "3", captured)
-    torch.manual_seed(pp.SEED)
-    tokens, targets = _batch()
-    pipe.step(tokens.chunk(pipe.dp)[pipe.dp_coord], targets.chunk(pipe.dp)[pipe.dp_coord])
-    torch.save(captured, f"{out}.{rank}")
+    torch.save(_capture_last_block("InterleavedZeroBubble", "PP=2xDP=2"), f"{out}.{rank}")
 
 
 @pytest.mark.slow

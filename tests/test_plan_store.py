@@ -40,14 +40,6 @@ def reference(x: torch.Tensor, base: int) -> torch.Tensor:
     return dropped + ops.uniform(ops.make_key(SEED, after), 0, list(x.shape), [x.shape[1], 1], 0.0, 1.0, x.dtype)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    yield tmp_path
-    torch._dynamo.reset()
-
-
 def _compile_and_run(x: torch.Tensor) -> tuple[torch.Tensor, RngPlan, dict]:
     counters.clear()
     be = compile_rng.backend()

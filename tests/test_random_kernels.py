@@ -11,6 +11,7 @@ op that torch's ``run_with_rng_state`` replays.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -153,3 +154,75 @@ def test_a_random_op_torch_replays_is_refused_in_a_step():
             hop.run_with_rng_state(state, torch.ops.aten.rand.default, [4], device=torch.device("cpu"))
         _, out = hop.run_and_save_rng_state(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q)
         assert out[0].shape == q.shape
+
+
+def test_tracing_in_a_step_sees_torchs_ops_and_draws_nothing():
+    """FakeTensor and torch.export inside a step run torch's own random ops (the kernels
+    sit at the backend keys, which tracing never reaches): stock graphs, no draw."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.ones(4, 3)
+    with compile_rng.step(4):
+        before = compile_rng.get_state()
+        with FakeTensorMode():
+            fake = F.dropout(torch.empty(4, 3), 0.5) + torch.rand(4, 3)
+        exported = torch.export.export(torch.nn.Dropout(0.5), (x,))
+        assert compile_rng.get_state() == before
+    assert fake.shape == (4, 3)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert any("dropout" in t for t in targets) and not any("compile_rng" in t for t in targets), targets
+
+
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode the step's code enters and leaves (selective AC's, a profiler's)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_piece_recorded_under_a_mode_entered_in_the_step_is_followed_after_it():
+    """A tensor-parallel rank's piece first recorded inside a mode the step's code entered:
+    the step's piece mode goes under that mode, so it outlives it - the dropout on the piece
+    after the mode has exited draws the piece's layout (ranks differ), exactly as with no
+    such mode - and the stack is as it was after the step."""
+    from dtensor_reference import fake_rank
+    from test_local_shards import _input, _tensor_parallel, Scores
+
+    from compile_rng._torch.core_internals import dispatch_mode_stack
+
+    outs = {}
+    for rank in range(2):
+        for entered in (False, True):
+            with fake_rank(rank, 2):
+                model, x = _tensor_parallel(Scores(), rank), _input()
+                compile_rng.manual_seed(5)
+                with compile_rng.step(x.shape[0]):
+                    with _PassThrough() if entered else contextlib.nullcontext():
+                        q = model.q(x)  # this rank's columns: a recorded piece
+                    outs[rank, entered] = F.dropout(q, 0.5)
+                assert dispatch_mode_stack() == []
+    assert torch.equal(outs[0, False], outs[0, True]) and torch.equal(outs[1, False], outs[1, True])
+    assert not torch.equal(outs[0, True] != 0, outs[1, True] != 0)
+
+
+def test_a_draw_in_a_step_keeps_no_caller_alive():
+    """Reading the Python stack for a draw must leave no cycle through the callers' frames:
+    one kept a broken-off ``accelerate_batches`` generator - and the step it was inside -
+    alive into the next run."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    def run():
+        marker = Marker()
+        with compile_rng.step(4):
+            F.dropout(torch.ones(4, 2), 0.5)
+        return weakref.ref(marker)
+
+    gc.disable()
+    try:
+        assert run()() is None
+    finally:
+        gc.enable()

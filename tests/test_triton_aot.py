@@ -155,3 +155,52 @@ def test_the_table_script_runs():
                           "--cache", "--full"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "| random_bits.int64.stream |" in run.stdout and "spill 0" in run.stdout
+
+
+# --- stock Inductor's kernel of the same graph --------------------------------------------
+
+
+def test_stock_inductor_generates_one_random_kernel_per_graph_with_its_configs():
+    """What ``aot_gpu.py --per-element`` compiles for stock Inductor: the graph lowered as
+    torch.compile would (decompositions, Inductor's own random), on a fake H100, gives one
+    Triton kernel that draws in the kernel, and the autotune configs divide it into whole
+    programs of whole threads (the per-element count's divisor)."""
+    import torch.nn.functional  # noqa: F401 - the graphs are F.dropout's and rand_like's
+
+    import fake_cuda_inductor
+
+    n = 1 << 20
+    for dtype in (torch.float32, torch.bfloat16):
+        for fn in (lambda x: torch.rand_like(x), lambda x: torch.native_dropout(x, 0.3, True)):
+            code = fake_cuda_inductor.generated_code(fn, [((n,), dtype)], as_compiled=True)
+            ((name, source),) = fake_cuda_inductor.triton_kernels(code).items()
+            assert "inductor_random" in name and ("rand4x(" in source or "tl.rand(" in source)
+            configs = fake_cuda_inductor.launch_configs(source)
+            assert configs
+            for config in configs:
+                xblock, warps = config["kwargs"]["XBLOCK"], config["num_warps"]
+                assert n % xblock == 0 and xblock % (32 * warps) == 0, config
+                inputs = fake_cuda_inductor.compile_inputs(source, config)
+                assert inputs["constants"]["XBLOCK"] == xblock and inputs["options"]["num_warps"] == warps
+                assert inputs["signature"]["XBLOCK"] == "constexpr"
+
+
+def test_per_element_reports_compile_rng_and_stock_inductor():
+    """``aot_gpu.py --per-element`` on one row: compile_rng's count and stock Inductor's
+    (each autotune config), both compiled for sm_90 and walked the same way."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "aot_gpu.py"
+    run = subprocess.run([sys.executable, str(script), "--only", "dropout.float32.stream", "--arch", "90",
+                          "--cache", "--per-element"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    row = re.search(r"^\| dropout \| float32 \| 9 \| ([\d.]+) \(\d+ regs.*?\| ([\d.]+) \(\d+ regs.*?\| ([\d.]+) \|",
+                    run.stdout, re.M)
+    assert row, run.stdout
+    ours, stock, ratio = map(float, row.groups())
+    assert 0 < ours < 200 and 0 < stock < 1000  # hot paths of a few dozen instructions, not a walk gone astray
+    assert abs(ratio - ours / stock) < 0.01
+    assert "- stock Inductor dropout float32 (XBLOCK" in run.stdout

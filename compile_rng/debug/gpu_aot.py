@@ -148,6 +148,25 @@ def compile_variant(name: str, arch: int) -> tuple[Compiled, dict]:
     return Compiled(name, arch, resources, cubin_registers, seconds, instructions), asm
 
 
+def compile_source(path: str | Path, name: str, arch: int, signature: dict, constants: dict, attrs: dict,
+                   options: dict) -> tuple[Resources, dict]:
+    """Compile the ``@triton.jit`` kernel ``name`` of the Python file ``path`` (a kernel
+    someone else generated: stock Inductor's, say) for GPU ``arch``, as ``triton.compile``
+    gets it: the signature (constexprs included), constants, attributes and options its
+    launcher would pass. In this process, which must not run the interpreter; returns
+    ``ptxas -v``'s resources and Triton's stage outputs."""
+    import importlib.util
+
+    from compile_rng._torch import triton_internals
+
+    spec = importlib.util.spec_from_file_location(f"compile_rng_aot_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bound = triton_internals.Bound(dict(signature), dict(constants), dict(attrs), dict(options))
+    asm = triton_internals.compile_for(getattr(module, name), bound, arch)
+    return _ptxas_resources(asm["ptx"], arch, options), asm
+
+
 def inspect(asm: dict, arch: int, options: dict) -> tuple[Resources, int, int]:
     """Of one compiled kernel (Triton's stage outputs for GPU ``arch``, compiled with
     ``options``): ``ptxas -v``'s resources, the cubin's registers, its SASS length."""

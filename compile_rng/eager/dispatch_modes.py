@@ -363,7 +363,8 @@ def _under_rng_replay() -> bool:
     forward twin): a graph compiled by another backend that would replay torch's generator
     for it in the backward. A dispatch mode meets the operator itself; the kernels of
     :mod:`~compile_rng.eager.random_kernels` meet only the op inside, so the Python stack
-    says it (read only when a stream's random op draws)."""
+    says it (read only when a stream's random op draws; never kept: a list of the stack's
+    frames held in a frame on it is a cycle that keeps every caller's locals alive)."""
     global _replay_codes
     if _replay_codes is None:
         _replay_codes = frozenset(map(id, rng_state_replay_codes()))
