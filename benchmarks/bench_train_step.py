@@ -6,8 +6,9 @@ own, as in the example: with ``compile_rng.backend(layout="invariant", batched=T
 inside ``compile_rng.step`` (invariant), with ``backend="compile_rng"`` (tracker), and
 with stock Inductor (compile_rng uninstalled); "eager" is stock torch uncompiled, and
 "eager-step" the same model uncompiled inside ``compile_rng.step`` (invariant values on
-the eager path: one Python dispatch per aten op; the per-op cost is its difference from
-"eager" over the aten ops a forward + backward runs). After
+the eager path: only random ops reach compile_rng; the per-op cost is its difference from
+"eager" over the aten ops a forward + backward runs, and a plain op's and a dropout's
+cost in a step are measured on their own). After
 warm-up steps (compilation), the median of ``--repeat`` timed forward + backward + AdamW
 steps, for each ``--threads`` count; prints seconds per step and the ratio to stock
 Inductor from the same run, and the bytes the forward saves for backward (measured with

@@ -44,6 +44,7 @@ __all__ = [
     "is_resume_frame",
     "is_to_local",
     "mark_sourceless_input",
+    "never_traced",
     "traced_code_name",
 ]
 
@@ -57,6 +58,17 @@ UNDOCUMENTED_FIELDS: tuple[str, ...] = ("dynamo_compile_id", "compile_subgraph_r
 # torch._disable_dynamo imports Dynamo at the first call, not at decoration: importing
 # compile_rng stays light. torch uses it for torch.manual_seed.
 disable_dynamo = torch._disable_dynamo
+
+
+def never_traced(code: Any) -> None:
+    """Frames running ``code`` are never compiled by Dynamo's frame hook (what they call
+    may be: call that through :data:`disable_dynamo`). A kernel torch's dispatcher calls from
+    the eager code between a compiled function's graphs would otherwise be compiled there;
+    ``disable_dynamo`` around the whole kernel costs ~1.5 us a call, paid by every random
+    op (``torch._dynamo.eval_frame.skip_code``, private; 2.11.0-2.15.0). Imports Dynamo."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
 
 
 class _EagerContext:

@@ -28,12 +28,13 @@ its way to torch's kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 from compile_rng._torch.core_internals import OpOverload, set_thread_object, thread_object
-from compile_rng._torch.dynamo_internals import disable_dynamo
+from compile_rng._torch.dynamo_internals import disable_dynamo, never_traced
 
 #: ``handler(op, args, kwargs, stock)``: what a stream does with random op ``op``
 #: (``stock(*args, **kwargs)`` runs torch's kernel).
@@ -54,16 +55,27 @@ def kernel(op: OpOverload, stock: Any) -> Callable[..., Any]:
     """The kernel registered for ``op`` over torch's ``stock`` kernel (a
     ``torch.library.get_kernel`` result), to be registered ``with_keyset``."""
 
-    # Dynamo's frame hook would compile the kernel's frame where a compiled function's
-    # eager code (between graphs) calls a random op: the kernel runs as it is
-    @disable_dynamo
     def random_op_kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         handler = thread_object(_THREAD_KEY)
         if handler is None:
             return stock.call_boxed(keyset, *args, **kwargs)
-        return handler(op, args, kwargs, lambda *a, **k: stock.call_boxed(keyset, *a, **k))
+        return _handled(handler, op, args, kwargs, lambda *a, **k: stock.call_boxed(keyset, *a, **k))
 
+    # Dynamo's frame hook would compile the kernel's frame where a compiled function's
+    # eager code (between graphs) calls a random op: the kernel's own frame is never
+    # traced (every kernel shares this code), and the handler runs with Dynamo off.
+    _never_traced_once(random_op_kernel.__code__)
     return random_op_kernel
+
+
+@functools.cache
+def _never_traced_once(code: Any) -> None:
+    never_traced(code)
+
+
+@disable_dynamo
+def _handled(handler: Handler, op: OpOverload, args: tuple, kwargs: dict, stock: Callable[..., Any]) -> Any:
+    return handler(op, args, kwargs, stock)
 
 
 def active() -> Handler | None:
