@@ -11,6 +11,7 @@ lazy names of :data:`_LAZY`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -194,24 +195,49 @@ def has_backend_kernel(op: OpOverload, key: str) -> bool:
     )
 
 
+class _Cell:
+    """A thread's object for torch 2.11 and 2.12, stashed once per thread and changed in
+    place: neither can remove a key, so the stash holds a cell for the thread's life. The
+    autograd engine then hands its device threads the caller's cell."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+
+_CAN_REMOVE = hasattr(torch._C, "_remove_obj_from_tls")  # torch 2.13+
+
+
 def thread_object(key: str) -> Any:
     """The object :func:`set_thread_object` put under ``key`` for this thread, or None.
     The autograd engine runs a backward under the thread state of the thread that called
     it, these objects included: a CUDA backward's device thread sees the caller's
     (``torch._C._get_obj_in_tls``; 2.11.0-2.15.0)."""
-    return torch._C._get_obj_in_tls(key) if torch._C._is_key_in_tls(key) else None
+    if not torch._C._is_key_in_tls(key):
+        return None
+    stored = torch._C._get_obj_in_tls(key)
+    return stored.value if type(stored) is _Cell else stored
 
 
 def set_thread_object(key: str, value: Any) -> None:
-    """Put ``value`` under ``key`` for this thread (None: take it away; 2.11 and 2.12 have
-    no removal, there None is stored)."""
-    if value is None and hasattr(torch._C, "_remove_obj_from_tls"):
-        # torch 2.13+: an object left in a thread's state is freed at thread exit, which
-        # needs the GIL there (autograd/graph.py removes its own for that reason)
-        if torch._C._is_key_in_tls(key):
+    """Put ``value`` under ``key`` for this thread (None: take it away)."""
+    if _CAN_REMOVE:
+        if value is not None:
+            torch._C._stash_obj_in_tls(key, value)
+        elif torch._C._is_key_in_tls(key):
+            # an object left in a thread's state is freed at thread exit, which needs the
+            # GIL there (torch's autograd/graph.py removes its own for that reason)
             torch._C._remove_obj_from_tls(key)
         return
-    torch._C._stash_obj_in_tls(key, value)
+    if not torch._C._is_key_in_tls(key):
+        cell = _Cell()
+        if torch_release(torch.__version__) < (2, 12):
+            # torch 2.11's stash takes no reference of its own, yet gives one up when the
+            # thread exits (a crash: an object freed twice): the reference is handed to it
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(cell))
+        torch._C._stash_obj_in_tls(key, cell)
+    torch._C._get_obj_in_tls(key).value = value
 
 
 def unregister_library(library: torch.library.Library) -> None:
