@@ -13,6 +13,9 @@ wrapped to also call :func:`manual_seed`                    restarts compile_rng
 ``torch.nn.init.trunc_normal_``                             fewer redraws; ranks kept in step
 ``torch.random.fork_rng`` wrapped to also restore           code that forks the RNG (sampling, evals)
 compile_rng's CPU stream on exit                            leaves the training stream where it was
+``torch.get_rng_state`` / ``set_rng_state`` (and           activation checkpointing sets the CPU
+``torch.random``'s) wrapped: a state handed out            state back before it recomputes a forward
+remembers the CPU stream's position, set back with it      in backward: the same masks in a step
 ``torch.distributed.tensor._random._rng_tracker``           DTensor runs every random op's local op
 = compile_rng's :class:`~compile_rng.eager.tracker.Tracker`       in the tracker's region: the SPMD contract
 ``_random.is_rng_supported_mesh``: yes for CPU meshes       DTensor's ``manual_seed(seed, mesh)`` and
@@ -67,6 +70,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from compile_rng import stream
 from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
@@ -118,6 +122,8 @@ def install() -> None:
             torch_manual_seed=torch.manual_seed,
             trunc_normal_=torch.nn.init.trunc_normal_,
             fork_rng=torch.random.fork_rng,
+            get_rng_state=torch.random.get_rng_state,
+            set_rng_state=torch.random.set_rng_state,
         )
         hook = _stock["hook"] = _manual_seed_hook(_stock["manual_seed"])
         torch.random.manual_seed = hook
@@ -125,6 +131,8 @@ def install() -> None:
         if core_internals.trunc_normal_redraws():  # 2.12+; 2.11's draws once, served as it is
             torch.nn.init.trunc_normal_ = trunc_normal.trunc_normal_
         torch.random.fork_rng = _fork_rng_hook(_stock["fork_rng"])
+        torch.get_rng_state = torch.random.get_rng_state = _get_rng_state_hook(_stock["get_rng_state"])
+        torch.set_rng_state = torch.random.set_rng_state = _set_rng_state_hook(_stock["set_rng_state"])
     # The tracker module imports DTensor; whichever of the two is imported first, the
     # tracker is installed once its module is complete.
     after_import("torch.distributed.tensor", _import_tracker)
@@ -156,6 +164,8 @@ def uninstall() -> None:
             torch.manual_seed = _stock["torch_manual_seed"]
         torch.nn.init.trunc_normal_ = _stock["trunc_normal_"]
         torch.random.fork_rng = _stock["fork_rng"]
+        torch.get_rng_state = torch.random.get_rng_state = _stock["get_rng_state"]
+        torch.set_rng_state = torch.random.set_rng_state = _stock["set_rng_state"]
     if "rng_tracker" in _stock:
         from compile_rng.eager import unrouted_ops  # with DTensor: not on `import compile_rng`
 
@@ -191,6 +201,37 @@ def _manual_seed_hook(original: Callable) -> Callable:
 
     manual_seed_hook._compile_rng_hook = True
     return manual_seed_hook
+
+
+# The CPU stream's position when torch handed out each CPU generator state: setting that
+# state back sets the stream back too (activation checkpointing's recomputation)
+_cpu_streams: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _get_rng_state_hook(original: Callable) -> Callable:
+    # torch.utils.checkpoint saves torch.get_rng_state() before a checkpointed forward and
+    # sets it back before recomputing it in backward; the CPU stream is compile_rng's, so
+    # the state it hands out remembers the stream's position (Dynamo runs it eagerly).
+    @dynamo_internals.disable_dynamo
+    @functools.wraps(original)
+    def get_rng_state() -> torch.Tensor:
+        result = original()
+        _cpu_streams[result] = state.get_state("cpu")
+        return result
+
+    return get_rng_state
+
+
+def _set_rng_state_hook(original: Callable) -> Callable:
+    @dynamo_internals.disable_dynamo
+    @functools.wraps(original)
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        original(new_state)
+        position = _cpu_streams.get(new_state)
+        if position is not None:
+            state.set_state(*position, "cpu")
+
+    return set_rng_state
 
 
 def _fork_rng_hook(original: Callable) -> Callable:

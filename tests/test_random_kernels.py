@@ -226,3 +226,82 @@ def test_a_draw_in_a_step_keeps_no_caller_alive():
         assert run()() is None
     finally:
         gc.enable()
+
+
+def test_a_backward_device_thread_draws_at_the_callers_rows():
+    """The autograd engine runs a CUDA backward on a device thread under the caller's
+    thread state - the kernels' handler included - but none of the caller's context
+    variables: a recomputed dropout there must still draw at the step's rows (here the
+    second half of a batch of 8, in a microbatch). Simulated on CPU: another thread handed
+    this thread's state as the engine hands it."""
+    import threading
+
+    from compile_rng._torch.core_internals import set_thread_object, thread_object
+    from compile_rng.eager import random_kernels
+
+    x = torch.ones(2, 6)
+    compile_rng.manual_seed(9)
+    there = []
+
+    def device_thread(handed):
+        set_thread_object(random_kernels._THREAD_KEY, handed)
+        there.append(F.dropout(x, 0.5))
+        set_thread_object(random_kernels._THREAD_KEY, None)
+
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8) as s:
+        for _ in range(2):  # the second microbatch: rows 6 and 7
+            with s.microbatch(2):
+                start = compile_rng.get_state()
+                here = F.dropout(x, 0.5)
+                compile_rng.set_state(*start)  # the recomputation draws at the forward's position
+                worker = threading.Thread(target=device_thread, args=(thread_object(random_kernels._THREAD_KEY),))
+                worker.start()
+                worker.join()
+    compile_rng.manual_seed(9)
+    with compile_rng.step(8):
+        whole = F.dropout(torch.ones(8, 6), 0.5)
+    assert torch.equal(here, whole[6:]) and torch.equal(there[-1], here)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("rows", [{}, {"rows": [4, 5, 6, 7], "global_batch": 8}], ids=["whole", "second half"])
+def test_an_eager_step_with_activation_checkpointing_recomputes_its_masks(reentrant, rows):
+    """torch.utils.checkpoint recomputes a dropout in backward after setting torch's CPU
+    generator state back; compile_rng's CPU stream goes back with it, so the recomputation
+    draws the forward's mask: the gradients equal the uncheckpointed run's bitwise (they
+    differed by ~1.7 before, in every eager step on CPU)."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(32, 32)
+
+    def block(t):
+        return F.dropout(lin(t), 0.3)
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    grads, states = [], []
+    for ckpt in (False, True):
+        part = x.clone().requires_grad_()
+        compile_rng.manual_seed(4)
+        with compile_rng.step(4, **rows):
+            out = checkpoint(block, part, use_reentrant=reentrant) if ckpt else block(part)
+            out.square().sum().backward()
+        grads.append(part.grad)
+        states.append(compile_rng.get_state())
+    assert torch.equal(grads[0], grads[1]) and states[0] == states[1]
+
+
+def test_a_cpu_generator_state_set_back_sets_the_stream_back():
+    """Outside checkpointing too: ``torch.set_rng_state`` of a state ``torch.get_rng_state``
+    handed out puts compile_rng's CPU stream where it was then; a state from elsewhere (a
+    file, a clone) leaves the stream alone."""
+    compile_rng.manual_seed(1)
+    saved = torch.get_rng_state()
+    with compile_rng.step(4):
+        first = torch.rand(4, 3)
+    torch.set_rng_state(saved)
+    with compile_rng.step(4):
+        again = torch.rand(4, 3)
+    assert torch.equal(first, again)
+    moved = compile_rng.get_state()
+    torch.set_rng_state(saved.clone())
+    assert compile_rng.get_state() == moved

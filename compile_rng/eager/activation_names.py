@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from compile_rng._torch import core_internals, distributed_internals, dynamo_internals
+from compile_rng.eager import random_kernels
 from compile_rng.semantics.model_names import module_names
 from compile_rng.semantics.named_draws import activation_name, activation_seed, current_namer
 from compile_rng.semantics.rows import Rows, current_rows, reset_rows, set_rows
@@ -379,7 +380,8 @@ def microbatch_rows_of(stages: Sequence[Any], rows: Rows, microbatches: int) -> 
                 )
             token = set_rows(microbatch_rows(rows, microbatches, chunk))
             try:
-                return method(chunk, *args, **kwargs)
+                with random_kernels.refreshed():  # the rows on a backward's device thread too
+                    return method(chunk, *args, **kwargs)
             finally:
                 reset_rows(token)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from compile_rng.eager import activation_names, dispatch_modes
+from compile_rng.eager import activation_names, dispatch_modes, random_kernels
 from compile_rng.semantics import verify
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
 from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, reset_step_batch_dim, rows_at, set_rows, set_step_batch_dim
@@ -172,7 +172,8 @@ class Step:
         state.restore(self._start)
         token = set_rows(mine)
         try:
-            with dispatch_modes.compiled_call() if self._only_microbatches else contextlib.nullcontext():
+            # a step's own stream draws at the new rows on a backward's device thread too
+            with dispatch_modes.compiled_call() if self._only_microbatches else random_kernels.refreshed():
                 yield mine
         finally:
             reset_rows(token)

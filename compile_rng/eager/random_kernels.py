@@ -18,7 +18,8 @@ the Meta kernels, which stay torch's. CompositeImplicitAutograd ops (``dropout``
 
 The handler lives in the thread's dispatcher state, which the autograd engine hands to
 its device threads: a CUDA backward's recomputation (activation checkpointing) draws
-from the stream as its forward did, as it did under the dispatch mode. The kernels are
+from the stream as its forward did, with a copy of the caller's context variables (the
+step's rows and names, which a device thread does not have). The kernels are
 registered at the first stream (``compile_rng.installation`` makes the change, through
 :func:`set_installer`) and stay until ``compile_rng.uninstall()`` (uninstalled, a stream
 registers them for its own length); outside a stream a random op pays one Python call on
@@ -28,9 +29,12 @@ its way to torch's kernel.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from compile_rng._torch.core_internals import OpOverload, set_thread_object, thread_object
@@ -42,6 +46,18 @@ Handler = Callable[[OpOverload, tuple, dict, Callable[..., Any]], Any]
 
 _THREAD_KEY = "compile_rng_random_op_handler"
 _installer: Callable[[], AbstractContextManager[None]] | None = None
+
+
+@dataclass(frozen=True)
+class _Drawing:
+    """What the thread state holds inside a stream: the handler, the thread that entered
+    the stream and its context variables then (the step's rows, names, batch dim). A
+    backward's device thread (the engine hands it the caller's thread state) has none of
+    the caller's context variables: the handler runs there in this copy of them."""
+
+    handler: Handler
+    thread: int
+    context: contextvars.Context
 
 
 def set_installer(installer: Callable[[], AbstractContextManager[None]]) -> None:
@@ -56,10 +72,10 @@ def kernel(op: OpOverload, stock: Any) -> Callable[..., Any]:
     ``torch.library.get_kernel`` result), to be registered ``with_keyset``."""
 
     def random_op_kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        handler = thread_object(_THREAD_KEY)
-        if handler is None:
+        drawing = thread_object(_THREAD_KEY)
+        if drawing is None:
             return stock.call_boxed(keyset, *args, **kwargs)
-        return _handled(handler, op, args, kwargs, lambda *a, **k: stock.call_boxed(keyset, *a, **k))
+        return _handled(drawing, op, args, kwargs, lambda *a, **k: stock.call_boxed(keyset, *a, **k))
 
     # Dynamo's frame hook would compile the kernel's frame where a compiled function's
     # eager code (between graphs) calls a random op: the kernel's own frame is never
@@ -74,25 +90,39 @@ def _never_traced_once(code: Any) -> None:
 
 
 @disable_dynamo
-def _handled(handler: Handler, op: OpOverload, args: tuple, kwargs: dict, stock: Callable[..., Any]) -> Any:
-    return handler(op, args, kwargs, stock)
+def _handled(drawing: _Drawing, op: OpOverload, args: tuple, kwargs: dict, stock: Callable[..., Any]) -> Any:
+    if drawing.thread == threading.get_ident():
+        return drawing.handler(op, args, kwargs, stock)
+    return drawing.context.copy().run(drawing.handler, op, args, kwargs, stock)
 
 
 def active() -> Handler | None:
     """The handler random ops on this thread go to, if any."""
-    return thread_object(_THREAD_KEY)
+    drawing = thread_object(_THREAD_KEY)
+    return drawing.handler if drawing is not None else None
 
 
 @contextlib.contextmanager
 def drawing(handler: Handler | None) -> Iterator[None]:
     """Random ops on plain tensors inside the block go to ``handler`` (None: to torch's
-    kernels, as a DTensor region of torch's own tracker needs)."""
+    kernels, as a DTensor region of torch's own tracker needs), with the context variables
+    as they are now (:func:`refreshed` after changing one a draw reads)."""
     if handler is not None and _installer is None:  # compile_rng.installation offers it on import
         raise RuntimeError("compile_rng internal error: the random ops' kernels were never offered")
     with _installer() if handler is not None else contextlib.nullcontext():
-        previous = active()
-        set_thread_object(_THREAD_KEY, handler)
+        previous = thread_object(_THREAD_KEY)
+        set_thread_object(_THREAD_KEY, _Drawing(handler, threading.get_ident(), contextvars.copy_context())
+                          if handler is not None else None)
         try:
             yield
         finally:
             set_thread_object(_THREAD_KEY, previous)
+
+
+@contextlib.contextmanager
+def refreshed() -> Iterator[None]:
+    """Inside a stream, after setting a context variable its draws read (a microbatch's
+    rows): the block's draws on a backward's device thread see it too."""
+    handler = active()
+    with drawing(handler) if handler is not None else contextlib.nullcontext():
+        yield

@@ -158,6 +158,36 @@ def test_activation_checkpointing_recomputes_the_same_masks():
     assert torch.equal(grads[0], grads[1])
 
 
+def test_an_eager_step_recomputes_its_rows_masks_on_the_device_thread():
+    """An eager model in a step (rows 4-7 of a global batch of 8): activation checkpointing
+    recomputes its dropout during backward on autograd's CUDA device thread, which gets the
+    kernels' handler with the caller's thread state and the step's rows from its copy of
+    the caller's context variables - the gradients equal the uncheckpointed run's, and the
+    forward equals rows 4-7 of the whole batch."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(32, 32, device=CUDA)
+
+    def block(t):
+        return F.dropout(lin(t), 0.3)
+
+    x = torch.randn(8, 32, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    grads, outs = [], []
+    for ckpt in (False, True):
+        part = x[4:].clone().requires_grad_()
+        compile_rng.manual_seed(4)
+        with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
+            out = checkpoint(block, part, use_reentrant=False) if ckpt else block(part)
+            out.square().sum().backward()
+        grads.append(part.grad)
+        outs.append(out.detach())
+    compile_rng.manual_seed(4)
+    with compile_rng.step(8), torch.no_grad():
+        whole = block(x)
+    assert torch.equal(outs[0], whole[4:]) and torch.equal(outs[1], outs[0])
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_replicated_dtensor_is_equal_on_every_rank():
     values = []
     for rank in range(2):
