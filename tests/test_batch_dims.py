@@ -75,7 +75,7 @@ def test_without_the_modules_rules_the_step_refuses_or_differs(monkeypatch):
     model = SequenceMajor().train()
     x = _input()
     whole = _in_step(model, x)
-    monkeypatch.setattr(batch_dims, "_RULES", {})
+    monkeypatch.setattr(batch_dims, "RULES_BY_CODE", {})
     # the user's batch_dim=1 now applies to the LSTM's dropout (dim 1 of its (seq, batch, h)
     # still the batch) and to the encoder's attention dropout ((batch, heads, L, S): not)
     with pytest.raises(NotImplementedError, match="dim 1 must be the batch .the step's batch_dim."):

@@ -54,14 +54,15 @@ def _rules() -> dict[int, Callable[[Any], tuple[int, str]]]:
     return rules
 
 
-_RULES = _rules()
+#: ``id`` of the code of a torch module's method -> ``rule(module) -> (dim, why)``.
+RULES_BY_CODE = _rules()
 
 
 def batch_dim_here(default: int) -> tuple[int, str]:
     """``(dim, why)``: the batch dim of the random op being drawn now, by the innermost of
     torch's modules above on the Python stack that says it, else ``default`` (why: "")."""
     for frame in stack_frames():
-        rule = _RULES.get(id(frame.f_code))
+        rule = RULES_BY_CODE.get(id(frame.f_code))
         if rule is not None:
             return rule(frame.f_locals.get("self"))
     return default, ""

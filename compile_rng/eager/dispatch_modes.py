@@ -347,10 +347,8 @@ def eager_key(
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
     # along the dim torch's module or the step says
-    if _under_rng_replay():
-        raise _replay_error(func)
     rows = current_rows()
-    batch_dim = batch_dims.batch_dim_here(step_batch_dim()) if rows is not None else (0, "")
+    batch_dim = _read_stack(func, rows is not None)
     key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch_dim=batch_dim)
     return key, offset, strides if strides is not None else contiguous_strides(size)
 
@@ -358,17 +356,30 @@ def _plain_counters(func, size, device):
 _replay_codes: frozenset | None = None
 
 
-def _under_rng_replay() -> bool:
-    """Whether the random op being drawn runs under torch's ``run_with_rng_state`` (or its
-    forward twin): a graph compiled by another backend that would replay torch's generator
-    for it in the backward. A dispatch mode meets the operator itself; the kernels of
-    :mod:`~compile_rng.eager.random_kernels` meet only the op inside, so the Python stack
-    says it (read only when a stream's random op draws; never kept: a list of the stack's
-    frames held in a frame on it is a cycle that keeps every caller's locals alive)."""
+def _read_stack(func: OpOverload, in_a_step: bool) -> tuple[int, str]:
+    """One walk of the Python stack for a stream's draw of ``func``: refuses it under
+    torch's ``run_with_rng_state`` (or its forward twin) - a graph compiled by another
+    backend that would replay torch's generator for it in the backward; a dispatch mode met
+    the operator itself, the kernels of :mod:`~compile_rng.eager.random_kernels` meet only
+    the op inside - and, in a step, returns the batch dim ``(dim, why)`` the innermost of
+    torch's modules says (:mod:`~compile_rng.eager.batch_dims`), else the step's. The
+    frames are never kept: a list of them held in a frame on the stack is a cycle that
+    keeps every caller's locals alive."""
     global _replay_codes
     if _replay_codes is None:
         _replay_codes = frozenset(map(id, rng_state_replay_codes()))
-    return any(id(frame.f_code) in _replay_codes for frame in stack_frames())
+    rules, found = batch_dims.RULES_BY_CODE, None
+    for frame in stack_frames():
+        code = id(frame.f_code)
+        if code in _replay_codes:
+            raise _replay_error(func)
+        if in_a_step and found is None:
+            rule = rules.get(code)
+            if rule is not None:
+                found = rule(frame.f_locals.get("self"))
+    if found is not None:
+        return found
+    return (step_batch_dim(), "") if in_a_step else (0, "")
 
 
 def _stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
