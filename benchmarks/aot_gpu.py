@@ -248,6 +248,21 @@ def _stock_graph(op: str):
     }[op]
 
 
+def _compile_rng_graph(op: str):
+    """The same draws as compile_rng's compiled graphs hold them (its functional ops on a
+    key), as a function of ``(key, x)``; ``None`` where a graph calls the eager kernel
+    (``normal``: its transcendental functions come from one implementation)."""
+    import torch
+
+    from compile_rng.ops import lowering  # noqa: F401 - registers the lowerings
+
+    return {
+        "uniform": lambda key, x: torch.ops.compile_rng.uniform(key, 0, list(x.shape), [1], 0.0, 1.0, x.dtype),
+        "normal": None,
+        "dropout": lambda key, x: torch.ops.compile_rng.dropout(key, 0, x, [1], 0.3),
+    }[op]
+
+
 def stock_counts(op: str, dtype: str) -> list[PerElement]:
     """Stock Inductor's generated Triton kernel for the same graph on a (fake) H100, one
     count per config its autotuner would try (it picks one by timing them on the GPU).
@@ -271,13 +286,33 @@ def stock_counts(op: str, dtype: str) -> list[PerElement]:
     formula charges those, as the GPU executes them."""
     import torch
 
+    return inductor_counts(f"stock Inductor {op} {dtype}", _stock_graph(op),
+                           [((N_ELEMENTS,), getattr(torch, dtype))], as_compiled=True)
+
+
+def fused_counts(op: str, dtype: str) -> list[PerElement]:
+    """compile_rng's draw as Inductor generates it inside a CUDA graph (its lowering: one
+    Philox block per element, on int32 words), counted like :func:`stock_counts`; empty
+    where the graph calls the eager kernel."""
+    import torch
+
+    fn = _compile_rng_graph(op)
+    if fn is None:
+        return []
+    return inductor_counts(f"compile_rng in a graph {op} {dtype}", fn,
+                           [((2,), torch.int64), ((N_ELEMENTS,), getattr(torch, dtype))])
+
+
+def inductor_counts(label: str, fn, inputs, as_compiled: bool = False) -> list[PerElement]:
+    """The one Triton kernel Inductor generates for ``fn`` on fake CUDA inputs (see
+    :func:`stock_counts`), counted under each config its autotuner would try."""
     tests = str(Path(__file__).resolve().parent.parent / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     import fake_cuda_inductor as fci
 
-    code = fci.generated_code(_stock_graph(op), [((N_ELEMENTS,), getattr(torch, dtype))], as_compiled=True)
-    ((name, source),) = fci.triton_kernels(code).items()  # one fused kernel (the seed is an aten call)
+    code = fci.generated_code(fn, inputs, as_compiled=as_compiled)
+    ((name, source),) = fci.triton_kernels(code).items()  # one fused kernel (stock's seed is an aten call)
     hints = re.search(r"size_hints=(\{.*?\})", source).group(1)
     if eval(hints) != {"x": N_ELEMENTS} or re.search(r"^\s+for ", source, re.M):  # noqa: S307 - Inductor's literal
         raise RuntimeError(f"{name}: not the 1-D pointwise kernel without a loop this count assumes:\n{source}")
@@ -293,7 +328,7 @@ def stock_counts(op: str, dtype: str) -> list[PerElement]:
             if resources.spills:
                 raise RuntimeError(f"{name}: spills {resources}")
             executed = executed_per_thread(_sass_with_addresses(asm["cubin"]))
-            out.append(PerElement(f"stock Inductor {op} {dtype} (XBLOCK {xblock}, {warps} warps)",
+            out.append(PerElement(f"{label} (XBLOCK {xblock}, {warps} warps)",
                                   resources.registers, tuple(executed), xblock / (32 * warps)))
     return out
 
@@ -322,10 +357,10 @@ def per_element(only: list[str] | None = None) -> list[dict]:
     table = []
     for op, dt in rows:
         nbytes = bytes_per_element(op, dt)
-        ours, stock = compile_rng_count(op, dt), stock_counts(op, dt)
-        for p in (ours, *stock):
+        ours, fused, stock = compile_rng_count(op, dt), fused_counts(op, dt), stock_counts(op, dt)
+        for p in (ours, *fused, *stock):
             _listing(p, nbytes, fill_ps)
-        table.append({"op": op, "dtype": dt, "bytes": nbytes, "compile_rng": ours, "stock": stock})
+        table.append({"op": op, "dtype": dt, "bytes": nbytes, "compile_rng": ours, "fused": fused[:1], "stock": stock})
 
     def cell(p: PerElement, nbytes: int) -> str:
         ps, limit = p.predict(nbytes)
@@ -335,17 +370,23 @@ def per_element(only: list[str] | None = None) -> list[dict]:
         return p.kernel[p.kernel.index("(XBLOCK") + 1:-1]
 
     print("\nInstructions per element, sm_90 hot path (registers, predicted H100 ps/element and its "
-          "limit). Stock Inductor: its first autotune config (XBLOCK 1024, 4 warps unless marked), then "
-          "the others its autotuner times on the GPU:")
-    print("| op | dtype | B/element | compile_rng | stock Inductor | compile_rng / stock | stock, other configs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "limit). compile_rng eager: its Triton kernel; in a graph: Inductor's kernel from its lowering "
+          "(first autotune config; '-' where a graph calls the eager kernel). Stock Inductor: its first "
+          "autotune config (XBLOCK 1024, 4 warps unless marked), then the others its autotuner times on the GPU:")
+    print("| op | dtype | B/element | compile_rng eager | compile_rng in a graph | stock Inductor | "
+          "eager / stock | graph / stock | stock, other configs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
-        ours, (first, *others), nbytes = r["compile_rng"], r["stock"], r["bytes"]
+        ours, fused, (first, *others), nbytes = r["compile_rng"], r["fused"], r["stock"], r["bytes"]
         mark = "" if config(first) == "XBLOCK 1024, 4 warps" else f" [{config(first)}]"
-        print(f"| {r['op']} | {r['dtype']} | {nbytes} | {cell(ours, nbytes)} | {cell(first, nbytes)}{mark} | "
-              f"{ours.total / first.total:.2f} | " + "; ".join(f"{cell(p, nbytes)} [{config(p)}]" for p in others) + " |")
+        graph = f"{cell(fused[0], nbytes)} | " if fused else "- | "
+        ratio = f"{fused[0].total / first.total:.2f}" if fused else "-"
+        print(f"| {r['op']} | {r['dtype']} | {nbytes} | {cell(ours, nbytes)} | {graph}{cell(first, nbytes)}{mark} | "
+              f"{ours.total / first.total:.2f} | {ratio} | "
+              + "; ".join(f"{cell(p, nbytes)} [{config(p)}]" for p in others) + " |")
     return [{"op": r["op"], "dtype": r["dtype"], "compile_rng": r["compile_rng"].total,
-             "stock": [p.total for p in r["stock"]]} for r in table]
+             "compile_rng_graph": [p.total for p in r["fused"]], "stock": [p.total for p in r["stock"]]}
+            for r in table]
 
 
 def main() -> None:

@@ -166,3 +166,51 @@ def compile_inputs(kernel_source: str, config: dict) -> dict:
         options["enable_reflect_ftz"] = False
     return {"signature": dict(meta["signature"]), "constants": {**meta["constants"], **config["kwargs"]},
             "attrs": dict(meta["configs"][0]), "options": options}
+
+
+_BUFFER = re.compile(r"(\w+) = empty_strided_cuda\(\(([\d, ]*)\), \(([\d, ]*)\), torch\.(\w+)\)$")
+_REUSE = re.compile(r"(\w+) = (\w+); del \w+  # reuse$")
+_LAUNCH = re.compile(r"(\w+)\.run\((.*), stream=\w+\)$")
+_SKIPPED = re.compile(r"args\.clear\(\)|assert_|with torch\.cuda\._DeviceGuard|torch\.cuda\.set_device|#|del |"
+                      r"\w+ = get_raw_stream\(")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def interpret(code: str, inputs: Sequence[torch.Tensor], tmp_dir: str, xblock: int = 1024) -> tuple[torch.Tensor, ...]:
+    """Run a :func:`generated_code` module's ``call`` on ``inputs`` (on ``inputs``' device:
+    CPU tensors in Triton's interpreter, which the tests' conftest selects where there is no
+    GPU): each Triton kernel is launched over its 1-D range in programs of ``xblock``
+    elements, in the wrapper's order. Only the wrapper lines of a graph that is all Triton
+    kernels are understood (arguments, buffers, reuse, launches, the return): any other
+    line - a call of an op's eager kernel, say - raises."""
+    import importlib.util
+    from pathlib import Path
+
+    kernels, env, device = {}, {}, inputs[0].device
+    for name, source in triton_kernels(code).items():
+        path = Path(tmp_dir) / f"{name}.py"
+        path.write_text(jit_source(source))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        kernels[name] = getattr(module, name)
+    body = code[code.index("def call(self, args):"):].splitlines()[1:]
+    for line in (raw.strip() for raw in body):
+        if line.endswith("= args"):
+            env.update(zip((n.strip() for n in line.removesuffix("= args").split(",") if n.strip()), inputs))
+        elif line.startswith("return ("):
+            return tuple(env[n.strip()] for n in line[len("return ("):-1].split(",") if n.strip())
+        elif m := _BUFFER.match(line):
+            env[m[1]] = torch.empty_strided(_ints(m[2]), _ints(m[3]), dtype=getattr(torch, m[4]), device=device)
+        elif m := _REUSE.match(line):
+            env[m[1]] = env[m[2]]
+        elif m := _LAUNCH.match(line):
+            args = [env[a] if a in env else int(a) for a in (a.strip() for a in m[2].split(","))]
+            numel = args[-1]  # the 1-D kernel's xnumel
+            kernels[m[1]][((numel + xblock - 1) // xblock,)](*args, XBLOCK=xblock)
+        elif line and not _SKIPPED.match(line):
+            raise ValueError(f"a wrapper line interpret() does not run: {line}")
+    raise ValueError("the generated call returned nothing")

@@ -204,8 +204,11 @@ def test_fused_loops_lower_every_stream_to_its_loop(monkeypatch):
     """What the fixture above relies on: under ``fused_loops()`` no op is a call, whatever
     the CPU (the compile it saves is the fixture's own)."""
     monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: "avx2")
-    assert lowering._extern_worthy([3, 32], [40, 1], torch.float64)
+    cpu = torch.device("cpu")
+    assert lowering._extern_worthy(cpu, [3, 32], [40, 1], torch.float64)
     with lowering.fused_loops():
-        assert not lowering._extern_worthy([3, 32], [40, 1], torch.float64)
-        assert not lowering._extern_worthy([1 << 20], [1], torch.float32)
-    assert lowering._extern_worthy([3, 32], [40, 1], torch.float64)
+        assert not lowering._extern_worthy(cpu, [3, 32], [40, 1], torch.float64)
+        assert not lowering._extern_worthy(cpu, [1 << 20], [1], torch.float32)
+    assert lowering._extern_worthy(cpu, [3, 32], [40, 1], torch.float64)
+    # a CUDA graph's rule is not this CPU's: its draws are fused (tests/test_accelerator_path.py)
+    assert not lowering._extern_worthy(torch.device("cuda"), [1 << 20], [1], torch.float32)

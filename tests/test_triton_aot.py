@@ -186,8 +186,9 @@ def test_stock_inductor_generates_one_random_kernel_per_graph_with_its_configs()
 
 
 def test_per_element_reports_compile_rng_and_stock_inductor():
-    """``aot_gpu.py --per-element`` on one row: compile_rng's count and stock Inductor's
-    (each autotune config), both compiled for sm_90 and walked the same way."""
+    """``aot_gpu.py --per-element`` on one row: compile_rng's eager kernel, its draw inside
+    a graph's Inductor kernel and stock Inductor's (each autotune config), all compiled for
+    sm_90 and walked the same way."""
     import re
     import subprocess
     import sys
@@ -197,10 +198,12 @@ def test_per_element_reports_compile_rng_and_stock_inductor():
     run = subprocess.run([sys.executable, str(script), "--only", "dropout.float32.stream", "--arch", "90",
                           "--cache", "--per-element"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    row = re.search(r"^\| dropout \| float32 \| 9 \| ([\d.]+) \(\d+ regs.*?\| ([\d.]+) \(\d+ regs.*?\| ([\d.]+) \|",
-                    run.stdout, re.M)
+    count = r"([\d.]+) \(\d+ regs[^|]*\| "
+    row = re.search(r"^\| dropout \| float32 \| 9 \| " + 3 * count + r"([\d.]+) \| ([\d.]+) \|", run.stdout, re.M)
     assert row, run.stdout
-    ours, stock, ratio = map(float, row.groups())
-    assert 0 < ours < 200 and 0 < stock < 1000  # hot paths of a few dozen instructions, not a walk gone astray
-    assert abs(ratio - ours / stock) < 0.01
+    ours, graph, stock, ratio, graph_ratio = map(float, row.groups())
+    # hot paths of a few dozen instructions, not a walk gone astray
+    assert 0 < ours < 200 and 0 < graph < 200 and 0 < stock < 1000
+    assert abs(ratio - ours / stock) < 0.01 and abs(graph_ratio - graph / stock) < 0.01
     assert "- stock Inductor dropout float32 (XBLOCK" in run.stdout
+    assert "- compile_rng in a graph dropout float32 (XBLOCK" in run.stdout

@@ -378,9 +378,16 @@ def make_key(
     seed: int, base: int, device: str | torch.device = "cpu", rows: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement);
-    a batched graph's key also holds its ``rows`` ``(start, total)``. One host-to-device
-    copy on an accelerator."""
-    return torch.tensor([stream.as_int64(seed), stream.as_int64(base), *(rows or ())], dtype=torch.int64, device=device)
+    a batched graph's key also holds its ``rows`` ``(start, total)``. On an accelerator,
+    one asynchronous host-to-device copy: the host never waits for the device."""
+    values = torch.tensor([stream.as_int64(seed), stream.as_int64(base), *(rows or ())], dtype=torch.int64)
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return values.to(device)
+    # From pageable memory the copy synchronizes the stream (torch's copy waits for it):
+    # every draw and every compiled call would stall the host until the GPU caught up. From
+    # pinned memory it is asynchronous; torch's host allocator keeps the block until done.
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def call(op: Any, key: torch.Tensor, *args: Any) -> Any:

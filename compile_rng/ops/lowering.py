@@ -1,6 +1,6 @@
 """Inductor lowerings of the functional random ops.
 
-Fused vs. extern: a large float32 uniform/bernoulli/dropout over a contiguous stream
+Fused vs. extern in CPU graphs: a large float32 uniform/bernoulli/dropout over a contiguous stream
 becomes a call to the eager C kernel instead (``cpu_kernel.fast_f32``), which uses all
 four words of each Philox block and vectorizes across blocks; measured here it is about
 2x faster than the fused loop, which recomputes the whole block for every element in
@@ -17,24 +17,26 @@ for float64) whatever the size or layout, so Inductor always calls the eager op.
 
 Each op becomes one fused ``Pointwise`` node whose ``inner_fn`` builds Philox4x32-10
 with ``ops.*`` once (building rounds from aten integer ops instead makes Inductor
-re-evaluate them recursively and compile time explodes). All integer work is on int64
-values holding uint32 words and never overflows int64 (see ``stream._mulhilo``), so the
-generated C++ has no undefined behaviour. The transforms are the shared definitions in
-:mod:`compile_rng.stream`, so compiled values match the eager kernels.
+re-evaluate them recursively and compile time explodes). The transforms are the shared
+definitions in :mod:`compile_rng.stream`, so compiled values match the eager kernels.
+The integer arithmetic depends on the code Inductor emits (:attr:`compile_rng.stream.Math.wraps`):
+C++ for CPU graphs, where signed overflow is undefined, gets int64 values holding uint32
+words that never overflow (products split on 16 bits); Triton for CUDA graphs, whose
+integer ops wrap, gets int32 words and one 64-bit product per multiply, which ptxas
+turns into one ``IMAD.WIDE.U32``.
 
-Fused loops only for CPU graphs (:data:`FUSED_DEVICE_TYPES`): on accelerators every op
-is a call of its Triton kernel (:mod:`compile_rng.stream.triton_kernels`), the code that is
-checked - bitwise in Triton's interpreter, and compiled ahead of time for sm_80/90/100
-with no spills (:mod:`compile_rng.debug.gpu_aot`). The fused Triton these lowerings give a CUDA
-graph is correct too (``tests/test_accelerator_path.py`` generates it on fake CUDA
-tensors, runs it in the interpreter bitwise and compiles it for sm_90), but it is built
-for C++: int64 words with products split on 16 bits and one whole Philox block per
-element. For a float32 dropout on sm_90 that is 312 SASS instructions per element against
-the Triton kernel's 97 (it uses all four words of a block); the H100 prediction
-(``benchmarks/aot_gpu.py --per-element``) puts the fused loop at about 4x the kernel's time,
-bound by the integer pipe where the kernel is bound by memory - more than fusing saves (a
-read and a write of the neighbour's tensor). So accelerators keep the kernel, until
-``bench_gpu.py`` on a GPU says otherwise.
+CUDA graphs get the fused loops too (:data:`FUSED_DEVICE_TYPES`): the draw is generated
+inside the Triton kernel of what reads it (``dropout(x) + residual`` is one kernel, as in
+stock Inductor), where a call of the eager Triton kernel
+(:mod:`compile_rng.stream.triton_kernels`) wrote values and mask to memory for the next
+kernel to read back (2.2-2.8x stock Inductor's ``dropout(x) + residual`` on an H200).
+Each element computes its own Philox block (an Inductor pointwise body sees one element),
+where the eager kernel shares a block among four: sm_90 counts of 67-77 instructions per
+element against the eager kernel's 28-33 (``benchmarks/aot_gpu.py --per-element``) - the
+cost of fusing, as in stock Inductor before torch 2.13. ``normal`` stays a call there too.
+The generated Triton is checked bitwise against the eager ops, in Triton's interpreter
+and on a GPU (``tests/test_accelerator_path.py``), and compiled for sm_90 without spills.
+Other accelerators (XPU, MPS) call the eager kernels.
 
 Import this module to register the lowerings; the backend does.
 """
@@ -62,7 +64,9 @@ from compile_rng._torch.inductor_internals import inductor_ops as ops
 
 
 class InductorMath:
-    """:class:`compile_rng.stream.Math` on Inductor's ``ops`` handler."""
+    """:class:`compile_rng.stream.Math` on Inductor's ``ops`` handler, for C++ code."""
+
+    wraps = False
 
     const = staticmethod(lambda value, dtype: ops.constant(value, dtype))
     cast = staticmethod(lambda x, dtype: ops.to_dtype(x, dtype))
@@ -84,12 +88,19 @@ class InductorMath:
     sin = staticmethod(lambda a: ops.sin(a))
 
 
-_M = InductorMath()
+class TritonMath(InductorMath):
+    """:class:`InductorMath` for Triton code, whose integer arithmetic wraps: Philox on
+    int32 words (see :attr:`compile_rng.stream.Math.wraps`)."""
+
+    wraps = True
+
+
 _I64 = torch.int64
 
 
 class _Counter:
-    """Per-element Philox words at ``key[1] + offset + sum(idx * strides)``."""
+    """Per-element Philox words at ``key[1] + offset + sum(idx * strides)``, in the math
+    of the graph's device (C++ for CPU graphs, Triton for the others)."""
 
     def __init__(self, key: ir.TensorBox, offset: Any, strides: Sequence[Any]):
         # A batched graph's key is computed (row terms added in the graph): a buffer, so
@@ -98,26 +109,16 @@ class _Counter:
         self.key_loader = key.make_loader()
         self.offset = sympy.sympify(offset)
         self.strides = [sympy.sympify(s) for s in strides]
-
-    def block(self, index: Sequence[sympy.Expr], c2: int = 0) -> tuple[list[Any], Any]:
-        rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
-        key = stream.key_words(_M, self.key_loader([sympy.Integer(0)]))
-        base = self.key_loader([sympy.Integer(1)])
-        block_lo, block_hi, lane = stream.block_and_lane(_M, base, ops.index_expr(rel, _I64))
-        ctr = [block_lo, block_hi, _M.const(c2, _I64), _M.const(0, _I64)]
-        return stream.philox4x32_10(_M, ctr, key), lane
-
-    @staticmethod
-    def select(words: Sequence[Any], lane: Any) -> Any:
-        """``words[lane]`` for a lane value in ``[0, len(words))``."""
-        out = words[-1]
-        for i in range(len(words) - 2, -1, -1):
-            out = _M.where(_M.eq(lane, _M.const(i, _I64)), words[i], out)
-        return out
+        self.m: InductorMath = InductorMath() if key.get_device_or_error().type == "cpu" else TritonMath()
 
     def word(self, index: Sequence[sympy.Expr], c2: int = 0) -> Any:
-        words, lane = self.block(index, c2)
-        return self.select(words, lane)
+        m = self.m
+        rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
+        key = stream.key_words(m, self.key_loader([sympy.Integer(0)]))
+        base = self.key_loader([sympy.Integer(1)])
+        block_lo, block_hi, lane = stream.block_and_lane(m, base, ops.index_expr(rel, _I64))
+        ctr = [block_lo, block_hi, m.const(c2, _I64), m.const(0, _I64)]
+        return stream.philox_word(m, stream.philox4x32_10(m, ctr, key), lane)
 
 
 def _pointwise(
@@ -128,9 +129,9 @@ def _pointwise(
     )
 
 
-#: The device types whose graphs get the fused loops; elsewhere (CUDA, XPU) each op is a
-#: call of its Triton kernel. See the module docstring; tests pin it.
-FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+#: The device types whose graphs get the fused loops; elsewhere (XPU, MPS...) each op is a
+#: call of its eager kernel. See the module docstring; tests pin it.
+FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 
 
 def _register(op: OpOverload) -> Callable:
@@ -169,10 +170,12 @@ def fused_loops() -> Iterator[None]:
         _fused_loops_forced = forced
 
 
-def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype, fast_path: bool = True) -> bool:
+def _extern_worthy(device: torch.device, size: Sequence[Any], strides: Sequence[Any], dtype: torch.dtype,
+                   fast_path: bool = True) -> bool:
     """Whether a CPU graph calls the eager op instead of a fused loop: with AVX-512, long
     float32 streams that take the C kernel's fast path (``fast_path``: the op's own
-    condition for it); without, every stream of static size.
+    condition for it); without, every stream of static size. A CUDA graph always fuses
+    (see the module docstring).
 
     Without AVX-512 the fused loop's 64-bit multiplies are emulated: with Inductor at AVX2
     it ran 31-41 ns/element from 1K to 256K elements, against the kernel call's 30-40 us
@@ -180,13 +183,38 @@ def _extern_worthy(size: Sequence[Any], strides: Sequence[Any], dtype: torch.dty
     5-20 s to build each op's loop there (a 4-rank job's cold compile was 1.6x stock
     Inductor's, most of it gcc on loops of a few hundred elements). A call costs a tiny
     op at most ~35 us per step; the loop costs every cold start seconds per op."""
-    if _fused_loops_forced or not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
+    if _fused_loops_forced or device.type != "cpu":
+        return False
+    if not all(isinstance(v, (int, sympy.Integer)) for v in (*size, *strides)):
         return False
     if inductor_vector_isa() != "avx512":
         return True
     numel = math.prod(int(s) for s in size)
     contiguous = stream.contiguous_stream([int(s) for s in size], [int(s) for s in strides])
     return fast_path and dtype == torch.float32 and contiguous and numel >= EXTERN_MIN_NUMEL
+
+
+def _significant_bits(v: float) -> int:
+    """The bits of ``v``'s significand up to its last set one (0 for zero)."""
+    n = int(math.frexp(abs(v))[0] * 2**53)
+    return 0 if n == 0 else 53 - ((n & -n).bit_length() - 1)
+
+
+def _scaling_exact(device: torch.device, low: float, high: float, dtype: torch.dtype) -> bool:
+    """Whether ``u * (high - low) + low`` has the contract's value (a multiply, then an
+    add, each rounded) in a Triton kernel too, where Inductor lets the compiler contract
+    them into one FMA (one rounding): when ``low`` is 0 or the product is exact (``u``
+    has ``UNIFORM_BITS`` significant bits). Else a CUDA graph calls the eager kernel,
+    compiled without contraction. C++ code (CPU graphs) is checked bitwise as it is."""
+    if device.type == "cpu" or low == 0.0:
+        return True
+    cdt = stream.compute_dtype(dtype)
+    span = float(torch.tensor(high - low, dtype=cdt))
+    bits, finfo, span_bits = stream.UNIFORM_BITS[dtype], torch.finfo(cdt), _significant_bits(span)
+    precision = 1 - int(math.log2(finfo.eps))  # 24 for float32, 53 for float64
+    # a p-bit by q-bit product needs at most p + q bits, p bits where q = 1 (a power of two)
+    product_bits = bits + (span_bits if span_bits > 1 else 0)
+    return product_bits <= precision and abs(span) * 2.0**-bits >= finfo.tiny
 
 
 def _extern(op: OpOverload, *args: Any) -> Any:
@@ -197,10 +225,11 @@ def _extern(op: OpOverload, *args: Any) -> Any:
 def _uniform(key, offset, size, strides, low, high, dtype):
     from compile_rng.stream.cpu_kernel import fast_uniform_ok
 
-    if _extern_worthy(size, strides, dtype, fast_uniform_ok(high)):
+    device = key.get_device_or_error()
+    if _extern_worthy(device, size, strides, dtype, fast_uniform_ok(high)) or not _scaling_exact(device, low, high, dtype):
         return _extern(torch.ops.compile_rng.uniform.default, key, offset, size, strides, low, high, dtype)
     ctr = _Counter(key, offset, strides)
-    return _pointwise(key, size, dtype, lambda idx: stream.uniform(_M, ctr.word(idx), dtype, low, high))
+    return _pointwise(key, size, dtype, lambda idx: stream.uniform(ctr.m, ctr.word(idx), dtype, low, high))
 
 
 @_register(torch.ops.compile_rng.exponential.default)
@@ -208,62 +237,62 @@ def _exponential(key, offset, size, strides, lambd, dtype):
     # Always fused: its log is Inductor's (within 4 ulp of the eager op's), and a choice
     # by size or CPU must not change a value.
     ctr = _Counter(key, offset, strides)
-    return _pointwise(key, size, dtype, lambda idx: stream.exponential(_M, ctr.word(idx), dtype, lambd))
+    return _pointwise(key, size, dtype, lambda idx: stream.exponential(ctr.m, ctr.word(idx), dtype, lambd))
 
 
 @_register(torch.ops.compile_rng.bernoulli.default)
 def _bernoulli(key, offset, size, strides, p, dtype):
-    if _extern_worthy(size, strides, dtype):
+    if _extern_worthy(key.get_device_or_error(), size, strides, dtype):
         return _extern(torch.ops.compile_rng.bernoulli.default, key, offset, size, strides, p, dtype)
     ctr = _Counter(key, offset, strides)
-    return _pointwise(key, size, dtype, lambda idx: stream.bernoulli_scalar(_M, ctr.word(idx), dtype, p))
+    return _pointwise(key, size, dtype, lambda idx: stream.bernoulli_scalar(ctr.m, ctr.word(idx), dtype, p))
 
 
 @_register(torch.ops.compile_rng.bernoulli_tensor.default)
 def _bernoulli_tensor(key, offset, p, strides, dtype):
-    if _extern_worthy(p.get_size(), strides, dtype, fast_path=False):
+    if _extern_worthy(key.get_device_or_error(), p.get_size(), strides, dtype, fast_path=False):
         return _extern(torch.ops.compile_rng.bernoulli_tensor.default, key, offset, p, strides, dtype)
     ctr = _Counter(key, offset, strides)
     load_p = p.make_loader()
     return _pointwise(
         key, p.get_size(), dtype,
-        lambda idx: stream.bernoulli_tensor(_M, ctr.word(idx), load_p(idx), dtype),
+        lambda idx: stream.bernoulli_tensor(ctr.m, ctr.word(idx), load_p(idx), dtype),
     )
 
 
 @_register(torch.ops.compile_rng.dropout.default)
 def _dropout(key, offset, x, strides, p):
-    if _extern_worthy(x.get_size(), strides, x.get_dtype()):
+    if _extern_worthy(key.get_device_or_error(), x.get_size(), strides, x.get_dtype()):
         return _extern(torch.ops.compile_rng.dropout.default, key, offset, x, strides, p)
     ctr = _Counter(key, offset, strides)
     load_x = x.make_loader()
     size, dtype = x.get_size(), x.get_dtype()
     # Two pointwise nodes recomputing the same words: Inductor fuses them into one loop.
-    keep = lambda idx: stream.dropout_keep(_M, ctr.word(idx), p)  # noqa: E731
-    out = _pointwise(key, size, dtype, lambda idx: stream.dropout_apply(_M, load_x(idx), keep(idx), dtype, p))
+    keep = lambda idx: stream.dropout_keep(ctr.m, ctr.word(idx), p)  # noqa: E731
+    out = _pointwise(key, size, dtype, lambda idx: stream.dropout_apply(ctr.m, load_x(idx), keep(idx), dtype, p))
     return out, _pointwise(key, size, torch.bool, keep)
 
 
 @_register(torch.ops.compile_rng.randint.default)
 def _randint(key, offset, size, strides, low, high, dtype):
-    if _extern_worthy(size, strides, dtype, fast_path=False):
+    if _extern_worthy(key.get_device_or_error(), size, strides, dtype, fast_path=False):
         return _extern(torch.ops.compile_rng.randint.default, key, offset, size, strides, low, high, dtype)
     ctr = _Counter(key, offset, strides)
 
     def fn(idx):
         w_high = ctr.word(idx, c2=1) if stream.needs_high_word(low, high) else None
-        return stream.randint(_M, ctr.word(idx), w_high, dtype, low, high)
+        return stream.randint(ctr.m, ctr.word(idx), w_high, dtype, low, high)
 
     return _pointwise(key, size, dtype, fn)
 
 
 @_register(torch.ops.compile_rng.random_bits.default)
 def _random_bits(key, offset, size, strides):
-    if _extern_worthy(size, strides, _I64, fast_path=False):
+    if _extern_worthy(key.get_device_or_error(), size, strides, _I64, fast_path=False):
         return _extern(torch.ops.compile_rng.random_bits.default, key, offset, size, strides)
     ctr = _Counter(key, offset, strides)
     return _pointwise(
-        key, size, _I64, lambda idx: stream.random_bits(_M, ctr.word(idx), ctr.word(idx, c2=1))
+        key, size, _I64, lambda idx: stream.random_bits(ctr.m, ctr.word(idx), ctr.word(idx, c2=1))
     )
 
 

@@ -79,6 +79,12 @@ def threshold32(p: float) -> int:
 class Math(Protocol):
     """The arithmetic the transforms need; implemented for tensors and Inductor ops."""
 
+    #: Whether int32 arithmetic wraps and an int64 product may overflow, wrapping (Triton's
+    #: code: LLVM's integer ops carry no overflow flags). Then Philox runs on int32 words,
+    #: one 64-bit product per multiply (sm_90: one ``IMAD.WIDE.U32``); else (C++, whose signed
+    #: overflow is undefined; torch tensors) on int64 words, products split on 16 bits.
+    wraps: bool
+
     def const(self, value: float | int, dtype: torch.dtype) -> Any: ...
     def cast(self, x: Any, dtype: torch.dtype) -> Any: ...
     def add(self, a: Any, b: Any) -> Any: ...
@@ -101,6 +107,8 @@ class Math(Protocol):
 
 class TensorMath:
     """:class:`Math` on torch tensors (used by the eager kernels)."""
+
+    wraps = False
 
     def const(self, value, dtype):
         return torch.tensor(value, dtype=dtype)
@@ -167,19 +175,54 @@ def _mulhilo(m: Math, x: Any, multiplier: int) -> tuple[Any, Any]:
     return hi, lo
 
 
+def _as_int32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _zero_extended(m: Math, w: Any) -> Any:
+    """An int32 word as the int64 in ``[0, 2**32)`` holding the same bits."""
+    return m.band(m.cast(w, torch.int64), m.const(MASK32, torch.int64))
+
+
+def _mulhilo_wrapping(m: Math, x: Any, multiplier: int) -> tuple[Any, Any]:
+    """``(hi, lo)`` int32 words of ``x * multiplier`` from one wrapping int64 product of the
+    zero-extended word (where :attr:`Math.wraps`)."""
+    p = m.mul(_zero_extended(m, x), m.const(multiplier, torch.int64))
+    return m.cast(m.shr(p, m.const(32, torch.int64)), torch.int32), m.cast(p, torch.int32)
+
+
 def philox4x32_10(m: Math, ctr: list[Any], key: tuple[Any, Any]) -> list[Any]:
-    """Philox4x32-10 on four counter words and two key words (int64 in [0, 2**32))."""
-    i64 = torch.int64
+    """Philox4x32-10 on four counter words and two key words (int64 in [0, 2**32)).
+
+    The words it returns are int64 in ``[0, 2**32)``, or, where :attr:`Math.wraps`, int32
+    holding the same bits (:func:`philox_word` selects and widens them)."""
+    if m.wraps:
+        ctr, key = [m.cast(w, torch.int32) for w in ctr], tuple(m.cast(w, torch.int32) for w in key)
+        mulhilo = _mulhilo_wrapping
+        bump = lambda k, w: m.add(k, m.const(_as_int32(w), torch.int32))  # noqa: E731
+    else:
+        mulhilo = _mulhilo
+        bump = lambda k, w: m.band(m.add(k, m.const(w, torch.int64)), m.const(MASK32, torch.int64))  # noqa: E731
     c0, c1, c2, c3 = ctr
     k0, k1 = key
     for r in range(PHILOX_ROUNDS):
         if r:
-            k0 = m.band(m.add(k0, m.const(PHILOX_W0, i64)), m.const(MASK32, i64))
-            k1 = m.band(m.add(k1, m.const(PHILOX_W1, i64)), m.const(MASK32, i64))
-        hi0, lo0 = _mulhilo(m, c0, PHILOX_M0)
-        hi1, lo1 = _mulhilo(m, c2, PHILOX_M1)
+            k0, k1 = bump(k0, PHILOX_W0), bump(k1, PHILOX_W1)
+        hi0, lo0 = mulhilo(m, c0, PHILOX_M0)
+        hi1, lo1 = mulhilo(m, c2, PHILOX_M1)
         c0, c1, c2, c3 = m.bxor(m.bxor(hi1, c1), k0), lo1, m.bxor(m.bxor(hi0, c3), k1), lo0
     return [c0, c1, c2, c3]
+
+
+def philox_word(m: Math, words: Sequence[Any], lane: Any) -> Any:
+    """``words[lane]`` of a :func:`philox4x32_10` block, ``lane`` an int64 in ``[0, 4)``, as
+    an int64 in ``[0, 2**32)`` (selected in int32 and widened once, where :attr:`Math.wraps`)."""
+    dt = torch.int32 if m.wraps else torch.int64
+    lane = m.cast(lane, dt) if m.wraps else lane
+    out = words[-1]
+    for i in range(len(words) - 2, -1, -1):
+        out = m.where(m.eq(lane, m.const(i, dt)), words[i], out)
+    return _zero_extended(m, out) if m.wraps else out
 
 
 # --- transforms: stream words -> values ------------------------------------------------

@@ -196,3 +196,24 @@ def test_replicated_dtensor_is_equal_on_every_rank():
             compile_rng.manual_seed(8)
             values.append(_local_zeros((5, 5), mesh, [Replicate()]).normal_().to_local())
     assert torch.equal(values[0], values[1])
+
+
+def test_draws_and_compiled_calls_never_wait_for_the_gpu():
+    """An eager draw and a compiled graph's call hand their key to the GPU without
+    synchronizing: the host runs ahead of the device. (From pageable memory the key's copy
+    waited for the stream, so every dropout stalled the host until the GPU caught up.)
+    torch's sync debug mode raises on any synchronizing call."""
+    x = torch.randn(1024, device=CUDA)
+    f = torch.compile(lambda t: F.dropout(t, 0.1) + 1, backend="compile_rng")
+    f(x)  # the compile itself may synchronize
+    with dispatch_modes.eager_stream():
+        F.dropout(x, 0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        f(x)
+        with dispatch_modes.eager_stream():
+            F.dropout(x, 0.1)
+            torch.rand(7, device=CUDA)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
