@@ -73,18 +73,22 @@ pending_key = torch.ops.compile_rng.pending_key.default
 class _GraphCall(RandomCall):
     """A plain-tensor random op node, replaced by nodes inserted before it."""
 
-    def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter):
+    def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter, row_stride: int = 1):
         self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
         self.kw = normalized_arguments(node.target, node.args, node.kwargs)
         val = first_val(node)
         self.dtype = val.dtype
         self.shape = [expr(s) for s in val.shape]
+        self.row_stride = row_stride  # a batched graph's global rows between two local ones
 
     def size(self):
         return [self.emitter.emit(s) for s in self.shape]
 
     def strides(self):
-        return [self.emitter.emit(s) for s in contiguous_strides(self.shape)]
+        strides = contiguous_strides(self.shape)
+        if strides:
+            strides[0] = strides[0] * self.row_stride
+        return [self.emitter.emit(s) for s in strides]
 
     def emit(self, target, *args):
         return self.apply(target, self.key, self.offset, *args)
@@ -254,6 +258,13 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 advance = ceil4_expr(numel)
             else:
                 row_numel = batch.row_numel(node, global_shape)
+                if pending and plan.row_stride != 1:
+                    raise NotImplementedError(
+                        f"compile_rng: {info.op} at {source_of(node)} draws on a DTensor in a batched graph "
+                        f"compiled in a step whose rows are interleaved (every {plan.row_stride}th row of the "
+                        "global batch): compiled DTensor draws take contiguous rows only. Give the step "
+                        "contiguous rows (rows='contiguous'), or run this model eagerly in the step"
+                    )
                 op_key, base_value = batch.key_and_offset(base + ROW_START * row_numel, len(plan.ops))
                 advance = ceil4_expr(ROWS_TOTAL * row_numel)
                 module = _module_site(node, ordinals)
@@ -266,7 +277,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     tuple(expr(c) for c in info.coords), info.mesh, module,
                 )
             else:
-                call = _GraphCall(node, op_key, base_value, emitter)
+                call = _GraphCall(node, op_key, base_value, emitter, plan.row_stride if batch is not None else 1)
                 new = RULES[node.target](call)
                 functional = _functional_node(new)
                 record = RewrittenOp(

@@ -92,6 +92,10 @@ class RngPlan:
     #: ``local_rows`` is that dim's size, the same for every op (None until one is seen)
     batched: bool = False
     local_rows: sympy.Expr | None = None
+    #: batched graphs: local row ``i`` is global row ``row_start + i * row_stride``: the
+    #: spacing of the step's rows when the graph compiled (1: a contiguous block;
+    #: DistributedSampler deals every world-th row), a constant of the ops' counter strides
+    row_stride: int = 1
     #: positions among the traced graph's inputs (the key not counted) that a plain-tensor
     #: random op's tensor is computed from, and how many inputs that graph has: the
     #: backend refuses a tensor-parallel rank's local piece there (compile_rng.semantics.local_values)

@@ -96,6 +96,48 @@ def test_data_parallel_ranks_assemble_to_single_device(compiled, single, world):
     assert torch.equal(torch.cat(grads), single[1])
 
 
+@pytest.fixture(scope="module")
+def interleaved_backend():
+    """A batched backend whose graphs compile in steps of interleaved rows (its own: the
+    row spacing is a constant of a graph, one compile per spacing)."""
+    return compile_rng.backend(layout="invariant", batched=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_ranks_and_their_microbatches_draw_the_single_device(single, interleaved_backend, world):
+    """``DistributedSampler``'s rows (rank ``r`` holds global rows ``r, r + W, ...``) in a
+    compiled batched graph: local row ``i`` draws global row ``r + i * W``'s counters, a
+    stride the graph compiled with. Every rank, split in two microbatches, gives the single
+    device's rows bitwise, forward and backward."""
+    torch._dynamo.reset()
+    fn = torch.compile(block, backend=interleaved_backend)
+    x = _input()
+    out, grad = torch.empty_like(single[0]), torch.empty_like(single[1])
+    for rank in range(world):
+        with fake_rank(rank, world):
+            mesh = DeviceMesh("cpu", list(range(world)))
+            rows = x[rank::world]
+            compile_rng.manual_seed(SEED)
+            parts = []
+            with compile_rng.step(rows.shape[0], data_parallel=mesh, global_batch=B, rows="interleaved") as step:
+                assert step.rows.stride == world
+                for part in rows.split([rows.shape[0] // 2, rows.shape[0] - rows.shape[0] // 2]):
+                    with step.microbatch(part.shape[0]):
+                        parts.append(_run(fn, part))
+            assert compile_rng.get_state() == single[2], rank
+            out[rank::world] = torch.cat([o for o, _ in parts])
+            grad[rank::world] = torch.cat([g for _, g in parts])
+    assert torch.equal(out, single[0]) and torch.equal(grad, single[1])
+    assert not torch.equal(out[:world], single[0][:world].roll(1, 0))  # rows differ: the comparison can fail
+    # the spacing is the graph's: a step of contiguous rows, or no step, is refused, never drawn wrongly
+    # (the same graph: a call that would compile another - no grad, say - gets the spacing it compiles in)
+    with pytest.raises(NotImplementedError, match=f"compiled for rows .* every {world}th row.* outside a step"):
+        _run(fn, x)
+    with pytest.raises(NotImplementedError, match=f"every {world}th row.*a contiguous block"):
+        with compile_rng.step(B):
+            _run(fn, x)
+
+
 @pytest.mark.parametrize("split", [(5, 5), (4, 4, 2), (1, 9)], ids=str)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpoint"])
 def test_microbatches_draw_the_big_batch(compiled, single, split, checkpointing):

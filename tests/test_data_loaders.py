@@ -8,8 +8,9 @@ AdamW, one epoch whose last batch is uneven (the stream's: 3 rows on one rank, 2
 other): with ``rows="interleaved"`` every step's loss is within 1e-9 relative of one
 process reading the same data in batches of the global size; with the default
 (contiguous) rows each sample draws another row's masks and the curve drifts (the test
-can fail). Explicit positions (this rank's global rows) are checked to cover the batch
-once; rows a compiled batched graph cannot draw are refused.
+can fail). The model compiled as a batched graph keeps the curve too (shuffle on).
+Explicit positions (this rank's global rows) are checked to cover the batch once, and a
+compiled batched graph draws them as eager code does.
 """
 
 import os
@@ -63,12 +64,13 @@ def _loader(kind: str, rank: int, world: int) -> DataLoader:
     return DataLoader(data, batch_size=BATCH * WORLD // world, sampler=sampler)  # drop_last=False
 
 
-def train(kind: str, rank: int, world: int, rows: str = "contiguous") -> list[float]:
+def train(kind: str, rank: int, world: int, rows: str = "contiguous", compiled: bool = False) -> list[float]:
     """One epoch; per step the global batch's mean loss. Each rank's loss is its rows' sum
     over the global row count and gradients are summed over ranks, so uneven batches give
-    the single process's gradient."""
+    the single process's gradient. ``compiled``: the model compiled as a batched graph."""
     model = tp.make_model(tp.Config(), torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=tp.Config().lr)
+    run = torch.compile(model, backend=compile_rng.backend(layout="invariant", batched=True)) if compiled else model
     group = dist.group.WORLD if world > 1 else None
     torch.manual_seed(tp.SEED)
     losses = []
@@ -77,7 +79,7 @@ def train(kind: str, rank: int, world: int, rows: str = "contiguous") -> list[fl
         if group is not None:
             dist.all_reduce(count)
         with compile_rng.step(tokens.shape[0], data_parallel=group, rows=rows):
-            logits = model(tokens)
+            logits = run(tokens)
             per_row = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
             loss = per_row.sum() / count
             loss.backward()
@@ -119,6 +121,26 @@ def test_interleaved_loaders_keep_the_single_process_curve(kind, on_two_ranks):
     print(f"data_loaders {kind}: rows='interleaved' {interleaved:.2e}, contiguous (wrong for this loader) {contiguous:.2e}")
     assert interleaved < TOLERANCE
     assert contiguous > 1e-6  # the masks of other rows: the comparison can fail
+
+
+def _compiled_body(rank: int, world: int, out: str) -> None:
+    losses = train("sampler-shuffle", rank, world, "interleaved", compiled=True)
+    if rank == 0:
+        torch.save(losses, out)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_under_a_shuffling_sampler_keeps_the_single_process_curve():
+    """GPT compiled as a batched graph (Inductor) on 2 gloo ranks under
+    ``DistributedSampler(shuffle=True)``: each rank's graph draws every other row of the
+    global batch (a stride it compiled with), the uneven last batch included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "curve.pt")
+        spawn(_compiled_body, WORLD, out)
+        curve = torch.load(out)
+    difference = _relative(curve, train("sampler-shuffle", 0, 1))
+    print(f"data_loaders sampler-shuffle, compiled, rows='interleaved': {difference:.2e}")
+    assert difference < TOLERANCE
 
 
 # --- the rows a step assigns (fake process group: no communication needed) ----------------
@@ -168,8 +190,15 @@ def test_explicit_positions_and_what_is_refused():
     with pytest.raises(ValueError, match="rows='sideways'"):
         with compile_rng.step(3, rows="sideways"):
             pass
-    # a compiled batched graph draws contiguous rows only: interleaved ones are refused
-    fn = torch.compile(lambda x: F.dropout(x, 0.5), backend=compile_rng.backend(layout="invariant", batched=True, inner="aot_eager"))
-    with pytest.raises(NotImplementedError, match="interleaved"):
+    # a compiled batched graph draws explicit, evenly spaced positions as eager code does
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: F.dropout(x, 0.5), backend=compile_rng.backend(layout="invariant", batched=True))
+    x = torch.ones(3, 16, dtype=torch.float64)
+    for run in (fn, lambda t: F.dropout(t, 0.5)):
+        compile_rng.manual_seed(0)
         with compile_rng.step(3, global_batch=9, rows=[2, 5, 8]):
-            fn(torch.ones(3, 4))
+            got = run(x)
+        compile_rng.manual_seed(0)
+        with compile_rng.step(9):
+            whole = F.dropout(torch.ones(9, 16, dtype=torch.float64), 0.5)
+        assert torch.equal(got, whole[2::3])

@@ -32,6 +32,7 @@ from compile_rng.eager import dispatch_modes, tracker
 from compile_rng.passes.graph_nodes import module_calls
 from compile_rng.passes.plan import RngPlan
 from compile_rng.semantics import layouts, verify
+from compile_rng.semantics.rows import current_row_stride
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Backend:
         warn_if_split(gm)
         plan = RngPlan(
             name=graph_name(gm), layout=self.config.layout, collect_unsupported=self.config.collect_unsupported,
-            batched=self.config.batched,
+            batched=self.config.batched, row_stride=current_row_stride() if self.config.batched else 1,
         )
         device = graph_device(gm, list(example_inputs))
         if self.config.batched:

@@ -40,7 +40,8 @@ def source_hash() -> str:
 class JointPass(inductor_internals.CustomGraphPass):
     """compile_rng's rewrite as Inductor's ``joint_custom_pre_pass`` (then the user's own
     pass, if any). Its :meth:`uuid` is what Inductor's FX-graph and AOTAutograd's caches
-    key the pass on: compile_rng's sources, the layout and AOTAutograd's donated buffers - no rank, coordinate or device
+    key the pass on: compile_rng's sources, the layout, a batched graph's row spacing and AOTAutograd's
+    donated buffers - no rank, coordinate or device
     (the rewritten graph computes the coordinate at run time), so one Inductor artifact
     serves every rank (a DTensor graph's AOTAutograd key gets the rank besides: see the
     module's docstring). A user pass without a uuid makes it ``None``: the caches are then
@@ -64,5 +65,5 @@ class JointPass(inductor_internals.CustomGraphPass):
             user = self.user_pass.uuid() if isinstance(self.user_pass, inductor_internals.CustomGraphPass) else None
             if user is None:
                 return None
-        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.collect_unsupported,
-                dynamo_internals.donated_buffers(), user)
+        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.row_stride,
+                self.plan.collect_unsupported, dynamo_internals.donated_buffers(), user)

@@ -27,15 +27,17 @@ class BatchKey:
     """A batched graph's rows for a call (:mod:`compile_rng.eager.batches`) and its key."""
 
     def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node], device: torch.device):
-        self.name, self.device = plan.name, device
+        self.name, self.device, self.row_stride = plan.name, device, plan.row_stride
         self.draws = plan.local_rows is not None  # a graph without random ops has no batch
         self.local_rows = SizeFn(plan.local_rows if self.draws else 0, placeholders)
 
     def rows(self, args: Sequence[Any]) -> Rows:
         count = self.local_rows(args)
         rows = current_rows()
-        if rows is None or not self.draws:
+        if not self.draws:
             return Rows(0, count, count)
+        if rows is None:
+            rows = Rows(0, count, count)
         if step_batch_dim() != 0:
             raise NotImplementedError(
                 f"compile_rng: the batched graph {self.name} runs in a step that declares batch_dim="
@@ -48,12 +50,16 @@ class BatchKey:
                 f"enclosing compile_rng.step / microbatch holds {rows.count} rows of this rank's batch; "
                 "pass the rows of the batch this call processes"
             )
-        if rows.stride != 1:
+        if rows.stride != self.row_stride:
+            def spacing(s: int) -> str:
+                return "a contiguous block" if s == 1 else f"every {s}th row (DistributedSampler's interleaving)"
+
+            here = f"in a step whose rows are {spacing(rows.stride)}" if current_rows() is not None else "outside a step"
             raise NotImplementedError(
-                f"compile_rng: the batched graph {self.name} runs in a step whose rows are interleaved in the "
-                f"global batch (every {rows.stride}th row, as DistributedSampler deals them): compiled graphs "
-                "draw contiguous rows only, so far. Run that model eagerly in the step, or give each rank a "
-                "contiguous block of the global batch (rows='contiguous': accelerate's loader does)"
+                f"compile_rng: the batched graph {self.name} was compiled for rows of the global batch at "
+                f"{spacing(self.row_stride)}, and runs {here}: the spacing is a constant of the graph's "
+                "counters. Keep one row convention per compiled function (compile another function for "
+                "the other), or call torch._dynamo.reset() between them"
             )
         return rows
 

@@ -81,6 +81,13 @@ def current_rows() -> Rows | ScatteredRows | None:
     return _rows.get()
 
 
+def current_row_stride() -> int:
+    """The spacing in the global batch of the rows the innermost step or microbatch assigns
+    here: 1 outside a step, and where they are not evenly spaced (those cannot draw)."""
+    rows = _rows.get()
+    return rows.stride if isinstance(rows, Rows) else 1
+
+
 def set_rows(rows: Rows | ScatteredRows | None) -> contextvars.Token:
     """Make ``rows`` current (undo with :func:`reset_rows`)."""
     return _rows.set(rows)
