@@ -164,9 +164,11 @@ def test_a_uniform_whose_scaling_an_fma_would_round_calls_the_eager_kernel():
 
     from compile_rng.ops import lowering  # noqa: F401 - registers the lowerings
 
+    def graph(low, high):
+        return lambda key: (_OPS.uniform(key, 3, [64], [1], low, high, _F32) * 2,)
+
     for (low, high), fused in {(0.0, 3.0): True, (-2.0, 2.0): True, (-2.0, 3.0): False, (-0.1, 0.1): False}.items():
-        code = fake_cuda_inductor.generated_code(
-            lambda key: (_OPS.uniform(key, 3, [64], [1], low, high, _F32) * 2,), [((2,), _I64)])
+        code = fake_cuda_inductor.generated_code(graph(low, high), [((2,), _I64)])
         assert ("torch.ops.compile_rng.uniform.default(" not in code) == fused, (low, high)
 
 

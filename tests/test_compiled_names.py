@@ -315,3 +315,30 @@ def test_a_graph_compiled_with_donated_buffers_refuses_to_run_without_them():
         compiled(x)
     with functorch_config.patch(donated_buffer=False), pytest.raises(RuntimeError, match="donated buffers on"):
         compiled(x)
+
+
+def test_named_draws_at_interleaved_rows_are_the_one_process_masks():
+    """Interleaved rows (``DistributedSampler``'s) in a named step: each of 2 fake ranks'
+    compiled blocks (a graph compiled with the rows' spacing) draws its rows of one
+    process's named masks over the whole batch, as its eager blocks do."""
+    from dtensor_reference import fake_rank
+    from torch.distributed.device_mesh import DeviceMesh
+
+    backend = compile_rng.backend(layout="invariant", batched=True)  # its own graphs: spacing 2
+    eager_model, compiled_model = Model(), Model()
+    for block in compiled_model.blocks.values():
+        block.compile(backend=backend)
+    x = torch.randn(BATCH, 3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    compile_rng.manual_seed(0)
+    with compile_rng.step(BATCH, names=eager_model):
+        whole = eager_model(x)
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            mesh = DeviceMesh("cpu", [0, 1])
+            for model in (eager_model, compiled_model):
+                compile_rng.manual_seed(0)
+                with compile_rng.step(BATCH // 2, names=model, data_parallel=mesh, global_batch=BATCH,
+                                      rows="interleaved"):
+                    got = model(x[rank::2])
+                assert torch.equal(got, whole[rank::2]), (rank, model is compiled_model)
+    assert not torch.equal(whole[0::2], whole[1::2])  # rows differ: the comparison can fail
