@@ -29,3 +29,20 @@ def rank_or_table(
         return
     rank(runs, **{name: getattr(a, name) for name in options})
     end_of_rank()  # a DDP rank: gloo's threads can abort the interpreter's teardown
+
+
+def launch(script: str, ranks: int, args: list[str], out: str) -> object:
+    """Run ``script args`` in a fresh process - ``torchrun --standalone`` for more than one
+    rank - one thread per rank, transformers quiet, and return the JSON it wrote to ``out``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    subprocess.run([*launcher, os.path.abspath(script), *args, "--out", out], check=True, env=env)
+    with open(out) as f:
+        return json.load(f)

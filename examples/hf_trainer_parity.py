@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import torch
 
-from _cli import rank_or_table
+from _cli import launch, rank_or_table
 
 SAMPLES, GLOBAL_BATCH, SEQ, VOCAB = 40, 8, 16, 64
 
@@ -178,14 +176,8 @@ def run(ranks: int, runs: list[tuple[str, str, bool]], folder: str) -> dict[tupl
     """Losses of ``(loop, configuration, parity)`` runs that all have ``ranks`` ranks, in
     one fresh process (``torchrun`` for 2 ranks)."""
     out = os.path.join(folder, f"losses-{ranks}.json")
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    spec = json.dumps([list(r) for r in runs])
-    subprocess.run([*launcher, os.path.abspath(__file__), "--train", spec, "--out", out], check=True, env=env)
-    with open(out) as f:
-        return {tuple(k): v for k, v in json.load(f)}
+    losses = launch(__file__, ranks, ["--train", json.dumps([list(r) for r in runs])], out)
+    return {tuple(k): v for k, v in losses}
 
 
 def _train(spec: str, out: str) -> None:

@@ -30,15 +30,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import warnings
 
 import torch
 
 import hf_trainer_parity as hf
-from _cli import rank_or_table
+from _cli import launch, rank_or_table
 
 STEPS, STOP, BATCH = 10, 4, hf.GLOBAL_BATCH
 EPOCHS = STEPS * BATCH // hf.SAMPLES
@@ -219,14 +217,7 @@ def _phase(spec: str, root: str, out: str) -> None:
 
 def _launch(ranks: int, runs: list, root: str) -> list:
     out = os.path.join(root, f"results-{len(os.listdir(root))}.json")
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    command = [*launcher, os.path.abspath(__file__), "--phase", json.dumps(runs), "--root", root, "--out", out]
-    subprocess.run(command, check=True, env=env)
-    with open(out) as f:
-        return json.load(f)
+    return launch(__file__, ranks, ["--phase", json.dumps(runs), "--root", root], out)
 
 
 def relative(curve: list[float], reference: list[float]) -> float:

@@ -155,7 +155,7 @@ def test_a_compiled_cuda_graph_draws_in_its_consumers_kernel():
         assert all(m in source for m in PHILOX_MULTIPLIERS), name
 
 
-def test_a_uniform_whose_scaling_an_fma_would_round_calls_the_eager_kernel():
+def test_a_uniform_whose_scaling_an_fma_would_round_and_exponential_call_the_eager_kernel():
     """``u * (high - low) + low``: Inductor's Triton lets ptxas contract it into an FMA,
     which rounds once where the contract rounds twice, so a CUDA graph calls the eager
     kernel (compiled without contraction) unless ``low`` is 0 or the product is exact."""
@@ -170,6 +170,10 @@ def test_a_uniform_whose_scaling_an_fma_would_round_calls_the_eager_kernel():
     for (low, high), fused in {(0.0, 3.0): True, (-2.0, 2.0): True, (-2.0, 3.0): False, (-0.1, 0.1): False}.items():
         code = fake_cuda_inductor.generated_code(graph(low, high), [((2,), _I64)])
         assert ("torch.ops.compile_rng.uniform.default(" not in code) == fused, (low, high)
+    # exponential's log, too, is the eager kernel's on CUDA (the one the GPU suite checks)
+    code = fake_cuda_inductor.generated_code(lambda key: (_OPS.exponential(key, 1, [64], [1], 2.0, _F32) * 2,),
+                                             [((2,), _I64)])
+    assert "torch.ops.compile_rng.exponential.default(" in code
 
 
 def test_the_fma_rule_holds_on_the_extreme_draws():

@@ -58,11 +58,17 @@ def _rules() -> dict[int, Callable[[Any], tuple[int, str]]]:
 RULES_BY_CODE = _rules()
 
 
+def said_by(frame: Any) -> tuple[int, str] | None:
+    """``(dim, why)`` if ``frame`` runs one of torch's modules that says its batch dim."""
+    rule = RULES_BY_CODE.get(id(frame.f_code))
+    return None if rule is None else rule(frame.f_locals.get("self"))
+
+
 def batch_dim_here(default: int) -> tuple[int, str]:
     """``(dim, why)``: the batch dim of the random op being drawn now, by the innermost of
     torch's modules above on the Python stack that says it, else ``default`` (why: "")."""
     for frame in stack_frames():
-        rule = RULES_BY_CODE.get(id(frame.f_code))
-        if rule is not None:
-            return rule(frame.f_locals.get("self"))
+        said = said_by(frame)
+        if said is not None:
+            return said
     return default, ""

@@ -31,9 +31,11 @@ stock Inductor), where a call of the eager Triton kernel
 (:mod:`compile_rng.stream.triton_kernels`) wrote values and mask to memory for the next
 kernel to read back (2.2-2.8x stock Inductor's ``dropout(x) + residual`` on an H200).
 Each element computes its own Philox block (an Inductor pointwise body sees one element),
-where the eager kernel shares a block among four: sm_90 counts of 67-77 instructions per
+where the eager kernel shares a block among four: sm_90 counts of 63-73 instructions per
 element against the eager kernel's 28-33 (``benchmarks/aot_gpu.py --per-element``) - the
-cost of fusing, as in stock Inductor before torch 2.13. ``normal`` stays a call there too.
+cost of fusing, as in stock Inductor before torch 2.13. ``normal`` and ``exponential``
+(their transcendental functions) and a ``uniform`` whose scaling an FMA would round
+(:func:`_scaling_exact`) stay calls there.
 The generated Triton is checked bitwise against the eager ops, in Triton's interpreter
 and on a GPU (``tests/test_accelerator_path.py``), and compiled for sm_90 without spills.
 Other accelerators (XPU, MPS) call the eager kernels.
@@ -234,8 +236,12 @@ def _uniform(key, offset, size, strides, low, high, dtype):
 
 @_register(torch.ops.compile_rng.exponential.default)
 def _exponential(key, offset, size, strides, lambd, dtype):
-    # Always fused: its log is Inductor's (within 4 ulp of the eager op's), and a choice
-    # by size or CPU must not change a value.
+    # CPU graphs always fuse it: its log is Inductor's (within 4 ulp of the eager op's), and
+    # a choice by size or CPU must not change a value. CUDA graphs always call the eager
+    # kernel, whose log the GPU suite holds to the 4-ulp bound (Triton's log in Inductor's
+    # kernels has not been measured on a GPU).
+    if key.get_device_or_error().type != "cpu":
+        return _extern(torch.ops.compile_rng.exponential.default, key, offset, size, strides, lambd, dtype)
     ctr = _Counter(key, offset, strides)
     return _pointwise(key, size, dtype, lambda idx: stream.exponential(ctr.m, ctr.word(idx), dtype, lambd))
 

@@ -147,9 +147,13 @@ def block_and_lane(m: Math, base: Any, rel: Any) -> tuple[Any, Any, Any]:
     """``(block_lo, block_hi, lane)`` of counter ``n = base + rel`` (mod 2**64): block
     ``n >> 2`` as two 32-bit words, lane ``n & 3``. ``base`` is a uint64 in an int64 and
     ``rel`` a non-negative int64; the sum is carried through 32-bit halves, so no int64
-    addition overflows."""
+    addition overflows (where :attr:`Math.wraps`, one wrapping 64-bit add)."""
     i64 = torch.int64
     c = lambda v: m.const(v, i64)  # noqa: E731
+    if m.wraps:  # one wrapping 64-bit add; the shift's sign bits masked off
+        n = m.add(base, rel)
+        block = m.band(m.shr(n, c(2)), c((1 << 62) - 1))
+        return m.band(block, c(MASK32)), m.shr(block, c(32)), m.band(n, c(3))
     lo = m.add(m.band(base, c(MASK32)), m.band(rel, c(MASK32)))
     hi = m.add(m.band(m.shr(base, c(32)), c(MASK32)), m.shr(rel, c(32)))
     hi = m.band(m.add(hi, m.shr(lo, c(32))), c(MASK32))
