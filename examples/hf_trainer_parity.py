@@ -12,6 +12,9 @@ Every run sees the same global batch of 8 samples per optimizer step, dealt its 
 * ``DDP=2, accumulation 2``: 2 samples per rank and microbatch - each rank's rows of a
   step are two blocks, 4 rows apart, as accelerate's loader deals them.
 
+The Trainer runs a second time with ``gradient_checkpointing=True`` ("Trainer (ckpt)"):
+the backward recomputes each layer's forward, which must draw the same masks.
+
 The user's one line: ``class Trainer(compile_rng.TrainerMixin, transformers.Trainer)``,
 or ``for batch in compile_rng.accelerate_batches(accelerator, loader)``. With it every
 configuration trains its loop's one-process curve (every step's loss in float64, to
@@ -161,7 +164,16 @@ def train_accelerate(batch: int, accumulation: int, parity: bool, folder: str) -
     return accelerate_epoch(*prepare_accelerate(batch, accumulation), parity)
 
 
-LOOPS = {"Trainer": train_trainer, "accelerate": train_accelerate}
+def train_trainer_checkpointed(batch: int, accumulation: int, parity: bool, folder: str) -> list[float]:
+    """The Trainer with ``gradient_checkpointing=True`` (transformers' default: reentrant
+    ``torch.utils.checkpoint`` around each layer): the backward's recomputed forward must
+    draw the forward's masks."""
+    trainer, losses = make_trainer(batch, accumulation, parity, folder, gradient_checkpointing=True)
+    trainer.train()
+    return losses
+
+
+LOOPS = {"Trainer": train_trainer, "Trainer (ckpt)": train_trainer_checkpointed, "accelerate": train_accelerate}
 
 
 CONFIGS = {  # name: (ranks, per-device batch, gradient accumulation)

@@ -4,7 +4,7 @@
 ``compile_rng.accelerate_batches`` (the loader, wrapped) put every optimizer step in a
 ``compile_rng.step`` whose microbatches draw at the rows accelerate's loader dealt. The
 slow test trains transformers' BERT classifier (float64, dropout 0.1) with the Trainer
-and with an ``accelerator.accumulate`` loop, under ``torchrun --nproc-per-node 2`` and on
+(also with ``gradient_checkpointing=True``) and with an ``accelerator.accumulate`` loop, under ``torchrun --nproc-per-node 2`` and on
 one process, with and without gradient accumulation (``examples/hf_trainer_parity.py``):
 every step's loss within 1e-9 of the loop's one process with the integration, and apart
 without it (the test can fail). The fast tests check the rows against accelerate's own
@@ -41,6 +41,16 @@ def test_trainer_and_accelerate_loops_keep_the_single_process_curve():
         print(f"hf_trainer {loop:10} {name:30} {'compile_rng' if parity else 'stock':12} {difference:.1e}")
     assert all(d < TOLERANCE for (_, _, parity), d in cells.items() if parity)
     assert all(d > 1e-6 for (_, _, parity), d in cells.items() if not parity)  # other masks: it can fail
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_the_forwards_masks(tmp_path):
+    """The checkpointed Trainer's curves above are compared with its own one process; this
+    ties that one process to the Trainer without checkpointing: the same curve (a
+    recomputation drawing other masks would change every gradient, hence every later loss)."""
+    runs = [("Trainer", "one process", True), ("Trainer (ckpt)", "one process", True)]
+    losses = hf.run(1, runs, str(tmp_path))
+    assert hf.relative(losses[runs[1]], losses[runs[0]]) < TOLERANCE
 
 
 def _accelerate_order(samples: int, batch: int, world: int, accumulation: int, **shard) -> list[list[list[int]]]:
