@@ -213,13 +213,14 @@ class PerElement:
         """ps per element each limit of the H100 model allows, and the binding one.
 
         ``integer (IMAD + ALU)``: the two integer classes at one class's rate, as if they
-        did not overlap. That is what the H200 measured for the kernels Inductor generates
-        from compile_rng's lowering, whose hot path is integer work (Philox per element):
-        uniform (69.6 instructions, 21.5 IMAD + 36.8 ALU: 3.49 ps predicted) took 234 us
-        on 64M elements, 3.49 ps, and ``dropout(x) + residual`` (21.9 + 36.0: 3.46 ps) 237
-        us, 3.53 ps (``do_bench``, 2026-11-27); each class at its own rate predicted
-        2.1-2.4. The eager kernels, a quarter of that integer work, stay memory-bound
-        either way (measured 1.26 ps for uniform against 1.33 predicted)."""
+        did not overlap - a **fit**, not a prediction: it was chosen to match the H200's
+        timings of the kernels Inductor generates from compile_rng's lowering, whose hot
+        path is integer work (Philox per element): uniform (69.6 instructions, 21.5 IMAD +
+        36.8 ALU: 3.49 ps by the fit) took 234 us on 64M elements, 3.49 ps, and
+        ``dropout(x) + residual`` (21.9 + 36.0: 3.46 ps) 237 us, 3.53 ps (``do_bench``,
+        2026-11-27); each class at its own rate gave 2.1-2.4. No kernel it was not fitted
+        on has been timed against it. The eager kernels, a quarter of that integer work,
+        stay memory-bound either way (measured 1.26 ps for uniform against 1.33 modelled)."""
         sm_clocks = H100_SMS * H100_CLOCK_HZ
         per_elem = self.by_class()
         ps = {"issue": self.total / (sm_clocks * H100_PER_SM_CLOCK["issue"]) * 1e12}

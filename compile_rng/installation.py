@@ -12,10 +12,14 @@ what                                                        why
 wrapped to also call :func:`manual_seed`                    restarts compile_rng's stream too
 ``torch.nn.init.trunc_normal_``                             fewer redraws; ranks kept in step
 ``torch.random.fork_rng`` wrapped to also restore           code that forks the RNG (sampling, evals)
-compile_rng's CPU stream on exit                            leaves the training stream where it was
+compile_rng's CPU stream on exit                            leaves the training stream where it was;
+                                                            a recomputation's stream lasts the fork
 ``torch.get_rng_state`` / ``set_rng_state`` (and           activation checkpointing sets the CPU
 ``torch.random``'s) wrapped: a state handed out            state back before it recomputes a forward
-remembers the CPU stream's position, set back with it      in backward: the same masks in a step
+remembers every stream's position and the stream the       in backward - often after the step's block,
+draws came from; set back, the positions return, and       or on a device thread: the forward's masks
+inside ``fork_rng`` the rest of the fork draws from        (:mod:`~compile_rng.eager.recomputation`)
+that stream
 ``torch.distributed.tensor._random._rng_tracker``           DTensor runs every random op's local op
 = compile_rng's :class:`~compile_rng.eager.tracker.Tracker`       in the tracker's region: the SPMD contract
 ``_random.is_rng_supported_mesh``: yes for CPU meshes       DTensor's ``manual_seed(seed, mesh)`` and
@@ -63,6 +67,7 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -74,7 +79,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from compile_rng import stream
 from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
-from compile_rng.eager import trunc_normal
+from compile_rng.eager import recomputation, trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
 from compile_rng.stream import state
@@ -144,7 +149,16 @@ def install() -> None:
 def uninstall() -> None:
     """Give torch back its own seeding, ``trunc_normal_``, DTensor tracker and module hooks.
     compile_rng's functions stay usable (a step with ``names=`` needs the hooks: it
-    refuses); :func:`install` (or :func:`manual_seed`) installs it again."""
+    refuses); :func:`install` (or :func:`manual_seed`) installs it again. Raises
+    RuntimeError, changing nothing, inside an open stream (on any thread)."""
+    kernels = sys.modules.get("compile_rng.eager.random_kernels")
+    if kernels is not None and kernels.open_streams():
+        raise RuntimeError(
+            f"compile_rng.uninstall() with {kernels.open_streams()} compile_rng stream(s) open (a "
+            "compile_rng.step, an @compile_rng.init function, a compile_rng.compile'd call, on this or "
+            "another thread): the rest of the block would draw torch's values instead of the stream's. "
+            "Call uninstall() after the block"
+        )
     cancel_pending()
     names = sys.modules.get("compile_rng.eager.activation_names")
     if names is not None:
@@ -203,20 +217,29 @@ def _manual_seed_hook(original: Callable) -> Callable:
     return manual_seed_hook
 
 
-# The CPU stream's position when torch handed out each CPU generator state: setting that
-# state back sets the stream back too (activation checkpointing's recomputation)
-_cpu_streams: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# What each CPU generator state torch handed out knew of compile_rng's streams: setting that
+# state back sets them back too (activation checkpointing's recomputation)
+_handed_out: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# the ExitStacks of the fork_rng blocks open on this thread, innermost last: a state set
+# back inside one draws the rest of the block from the stream it was handed out in
+_forks = threading.local()
+
+
+def _open_forks() -> list[contextlib.ExitStack]:
+    if not hasattr(_forks, "stacks"):
+        _forks.stacks = []
+    return _forks.stacks
 
 
 def _get_rng_state_hook(original: Callable) -> Callable:
     # torch.utils.checkpoint saves torch.get_rng_state() before a checkpointed forward and
-    # sets it back before recomputing it in backward; the CPU stream is compile_rng's, so
-    # the state it hands out remembers the stream's position (Dynamo runs it eagerly).
+    # sets it back (in a fork_rng) before recomputing it in backward; the CPU stream is
+    # compile_rng's, so the state it hands out remembers the streams (Dynamo runs it eagerly).
     @dynamo_internals.disable_dynamo
     @functools.wraps(original)
     def get_rng_state() -> torch.Tensor:
         result = original()
-        _cpu_streams[result] = state.get_state("cpu")
+        _handed_out[result] = recomputation.captured()
         return result
 
     return get_rng_state
@@ -227,9 +250,13 @@ def _set_rng_state_hook(original: Callable) -> Callable:
     @functools.wraps(original)
     def set_rng_state(new_state: torch.Tensor) -> None:
         original(new_state)
-        position = _cpu_streams.get(new_state)
-        if position is not None:
-            state.set_state(*position, "cpu")
+        capture = _handed_out.get(new_state)
+        if capture is None:  # a state from elsewhere (a file, a clone): the streams stay
+            return
+        state.set_state(*capture.streams["cpu"], "cpu")
+        forks = _open_forks()
+        if forks:
+            forks[-1].enter_context(recomputation.replaying(capture))
 
     return set_rng_state
 
@@ -244,12 +271,18 @@ def _fork_rng_hook(original: Callable) -> Callable:
     def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
         enabled = signature.bind(*args, **kwargs).arguments.get("enabled", True)
         saved = state.get_state("cpu")
-        with original(*args, **kwargs):
+        forks = _open_forks()
+        with contextlib.ExitStack() as replays:
+            forks.append(replays)
             try:
-                yield
+                with original(*args, **kwargs):
+                    try:
+                        yield
+                    finally:
+                        if enabled:
+                            state.set_state(*saved, "cpu")
             finally:
-                if enabled:
-                    state.set_state(*saved, "cpu")
+                forks.pop()
 
     return fork_rng
 

@@ -39,13 +39,18 @@ def test_bad_arguments_on_dtensors_in_eager():
             x.bernoulli_(-0.5)
 
 
-def test_generator_argument_in_an_eager_segment_is_named():
+def test_a_generator_argument_in_an_eager_segment_draws_from_that_generator():
+    """``generator=`` asks for torch's generator by name: inside a stream (here the eager
+    code of a ``compile_rng.compile``d call) the op draws torch's values from it, and the
+    stream does not move."""
     def fn(x):
         return x + torch.rand(4, generator=torch.Generator().manual_seed(0))  # Dynamo runs it eagerly
 
     torch._dynamo.reset()
-    with pytest.raises(NotImplementedError, match="generator= inside compile_rng's stream; drop the argument"):
-        compile_rng.compile(fn, inner="aot_eager")(torch.ones(4))
+    before = compile_rng.get_state()
+    got = compile_rng.compile(fn, inner="aot_eager")(torch.ones(4))
+    assert torch.equal(got, 1 + torch.rand(4, generator=torch.Generator().manual_seed(0)))
+    assert compile_rng.get_state() == before
 
 
 def test_dtensor_operands_from_another_mesh_or_plain_tensors_are_refused():

@@ -117,7 +117,9 @@ class ActivationNames:
             raise RuntimeError(
                 f"compile_rng: {op} ran in a step with names= but outside the forward of any module "
                 "given as names= (it has no name in the model). Move it into the model's forward, "
-                "or draw it outside the step. If activation checkpointing recomputes it in backward, "
+                "or draw it outside the step; a draw in backward (a gradient or communication hook) has no "
+                "name either: give it generator= to draw from torch's generator. If activation checkpointing "
+                "recomputes it in backward, "
                 "checkpoint a module (checkpoint(self.mlp, x)) rather than a function: the module's call names it"
             )
         outermost = self.stack[0][0]

@@ -8,41 +8,79 @@ are sequence-major whatever the step says, and those whose are batch-major:
 
 * ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU``: the dropout between layers runs inside the
   recurrent kernel on ``(seq, batch, hidden)`` - also with ``batch_first=True``, whose
-  input the kernel transposes first: dim 1;
+  input the kernel transposes first: dim 1. On a ``PackedSequence`` it runs on the packed
+  ``(tokens, hidden)`` data, whose rows mix the batch's samples: refused;
 * ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``: their own dropouts act
-  on the layer's activations, ``(seq, batch, d_model)`` unless ``batch_first``: dim 1 or 0;
-* ``nn.MultiheadAttention``: its attention dropout runs on ``(batch, heads, L, S)``
-  whatever ``batch_first`` (its inputs are rearranged batch-major first): dim 0.
+  on the layer's activations, ``(seq, batch, d_model)`` unless ``batch_first``: dim 1 or 0
+  (an unbatched ``(seq, d_model)`` input has no batch dim: refused);
+* ``nn.MultiheadAttention``: its attention dropout runs batch-major whatever
+  ``batch_first`` (its inputs are rearranged first): on ``(batch, heads, L, S)`` with
+  ``need_weights=False``, on ``(batch * heads, L, S)`` with the default ``need_weights=True``
+  - dim 0, ``heads`` entries a batch row.
 
-The innermost such module on the Python stack decides (a layer's attention is its
-``MultiheadAttention``'s). The stack is read only when a step's random op draws: other
-ops, and code outside a step, never get here.
+Each rule checks the layout it assumes against the drawn tensor's rank and refuses one it
+does not know. The innermost such module on the Python stack decides (a layer's attention
+is its ``MultiheadAttention``'s). The stack is read only when a step's random op draws:
+other ops, and code outside a step, never get here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
-from compile_rng.eager.user_code import stack_frames
+from compile_rng.semantics.rows import BatchDim
 
 
-def _rules() -> dict[int, Callable[[Any], tuple[int, str]]]:
+Rule = Callable[[Any, Any, Sequence[int]], BatchDim]
+
+
+def _refuse(module: Any, shape: Sequence[int], layout: str, fix: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"compile_rng: a random op inside {type(module).__name__} draws on a tensor of shape {tuple(shape)} "
+        f"in compile_rng.step: {layout}, so its rows of the step's batch are unknown. {fix}"
+    )
+
+
+def _rules() -> dict[int, Rule]:
     """``id`` of a module method's code -> its rule (the methods live as long as torch)."""
-    def recurrent(module: Any) -> tuple[int, str]:
-        return 1, f"{type(module).__name__}'s dropout between layers is sequence-major"
+    def recurrent(module: Any, frame: Any, shape: Sequence[int]) -> BatchDim:
+        if isinstance(frame.f_locals.get("orig_input"), PackedSequence):
+            raise _refuse(
+                module, shape, "its dropout between layers runs on a PackedSequence's packed (tokens, hidden) data, "
+                "whose rows mix the batch's samples by length",
+                "Pad the batch instead of packing it (a padded (seq, batch, ...) input), or set dropout=0 and "
+                "drop between single-layer modules",
+            )
+        if len(shape) != 3:
+            raise _refuse(module, shape, "its dropout between layers is expected on (seq, batch, hidden)", "Please report it")
+        return BatchDim(1, f"{type(module).__name__}'s dropout between layers is sequence-major")
 
-    def layer(module: Any) -> tuple[int, str]:
+    def layer(module: Any, frame: Any, shape: Sequence[int]) -> BatchDim:
+        if len(shape) != 3:
+            raise _refuse(
+                module, shape, "its activations are unbatched (seq, d_model)", "Give the layer a batched input"
+            )
         if getattr(module, "batch_first", False):
-            return 0, f"{type(module).__name__}(batch_first=True)"
-        return 1, f"{type(module).__name__}(batch_first=False) is sequence-major"
+            return BatchDim(0, f"{type(module).__name__}(batch_first=True)")
+        return BatchDim(1, f"{type(module).__name__}(batch_first=False) is sequence-major")
 
-    def attention(module: Any) -> tuple[int, str]:
-        return 0, "MultiheadAttention's attention dropout is batch-major"
+    def attention(module: Any, frame: Any, shape: Sequence[int]) -> BatchDim:
+        if len(shape) == 4:
+            return BatchDim(0, "MultiheadAttention's attention dropout is batch-major")
+        if len(shape) == 3:
+            return BatchDim(
+                0, "MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)", heads=module.num_heads
+            )
+        raise _refuse(
+            module, shape, "its attention dropout is expected on (batch, heads, L, S) or (batch * heads, L, S)",
+            "Please report it",
+        )
 
-    rules: dict[int, Callable[[Any], tuple[int, str]]] = {}
+    rules: dict[int, Rule] = {}
     for cls in (nn.RNN, nn.LSTM, nn.GRU):
         rules[id(cls.forward.__code__)] = recurrent
     for cls in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
@@ -54,21 +92,13 @@ def _rules() -> dict[int, Callable[[Any], tuple[int, str]]]:
     return rules
 
 
-#: ``id`` of the code of a torch module's method -> ``rule(module) -> (dim, why)``.
+#: ``id`` of the code of a torch module's method -> ``rule(module, frame, shape) -> BatchDim``.
 RULES_BY_CODE = _rules()
 
 
-def said_by(frame: Any) -> tuple[int, str] | None:
-    """``(dim, why)`` if ``frame`` runs one of torch's modules that says its batch dim."""
+def said_by(frame: Any, shape: Sequence[int]) -> BatchDim | None:
+    """The batch dim of a tensor of ``shape`` drawn under ``frame``, if ``frame`` runs one
+    of torch's modules that says it (NotImplementedError where the tensor is not in the
+    layout the module's rule knows)."""
     rule = RULES_BY_CODE.get(id(frame.f_code))
-    return None if rule is None else rule(frame.f_locals.get("self"))
-
-
-def batch_dim_here(default: int) -> tuple[int, str]:
-    """``(dim, why)``: the batch dim of the random op being drawn now, by the innermost of
-    torch's modules above on the Python stack that says it, else ``default`` (why: "")."""
-    for frame in stack_frames():
-        said = said_by(frame)
-        if said is not None:
-            return said
-    return default, ""
+    return None if rule is None else rule(frame.f_locals.get("self"), frame, shape)

@@ -169,15 +169,20 @@ class Step:
         self._used += rows
         if self._start is None:
             self._start = state.snapshot()
-        state.restore(self._start)
         token = set_rows(mine)
         try:
-            # a step's own stream draws at the new rows on a backward's device thread too
-            with dispatch_modes.compiled_call() if self._only_microbatches else random_kernels.refreshed():
-                yield mine
+            # the streams restart at the step's position (torch's CUDA generator, which code
+            # between microbatches draws from, is held there, not moved back); a step's own
+            # stream draws at the new rows on a backward's device thread too
+            with state.held(self._start), (
+                dispatch_modes.compiled_call() if self._only_microbatches else random_kernels.refreshed()
+            ):
+                try:
+                    yield mine
+                finally:
+                    self._ends.append(state.snapshot())
         finally:
             reset_rows(token)
-            self._ends.append(state.snapshot())
 
     def finish(self) -> None:
         """End the step where every microbatch ended (they must agree; done by :func:`step`)."""
@@ -193,7 +198,7 @@ class Step:
                 f"compile_rng: the microbatches of a step drew different amounts of randomness "
                 f"(they ended at offsets {offsets}); every microbatch must run the same random ops"
             )
-        state.restore(self._ends[0])
+        state.settle(self._ends[0])
 
 
 @contextlib.contextmanager

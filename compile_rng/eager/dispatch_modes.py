@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import enum
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from compile_rng import ops as cr_ops
-from compile_rng.eager import batch_dims, random_kernels
+from compile_rng.eager import batch_dims, random_kernels, recomputation
 from compile_rng.eager.user_code import stack_frames
 from compile_rng._torch.core_internals import (
     OpOverload,
@@ -35,6 +36,7 @@ from compile_rng._torch.core_internals import (
     current_dispatch_mode,
     dispatch_mode_stack,
     higher_order_op_name,
+    in_backward,
     insert_dispatch_mode,
     is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
@@ -51,9 +53,18 @@ from compile_rng.semantics.random_ops import (
     normalized_arguments,
     unsupported,
 )
-from compile_rng.semantics.named_draws import draw_position
+from compile_rng.semantics.named_draws import draw_position, set_namer
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import Rows, ScatteredRows, batch_window, current_rows, step_batch_dim
+from compile_rng.semantics.rows import (
+    BATCH_MAJOR,
+    BatchDim,
+    Rows,
+    ScatteredRows,
+    batch_window,
+    current_rows,
+    set_rows,
+    step_batch_dim,
+)
 from compile_rng.stream import ceil4, contiguous_strides
 
 
@@ -114,13 +125,6 @@ class _TensorCall(RandomCall):
 
     def apply(self, target, *args, **kwargs):
         return target(*args, **kwargs)
-
-
-def _generator_error(func: OpOverload) -> NotImplementedError:
-    return NotImplementedError(
-        f"compile_rng: {func} got generator= inside compile_rng's stream; drop the "
-        "argument (seed with compile_rng.manual_seed) or call it outside"
-    )
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,8 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     :class:`RandomOpMode`); one without a counter-based form is refused where it draws.
     ``stock(*args, **kwargs)`` is torch's own op, for what draws nothing."""
     kw = normalized_arguments(func, args, kwargs)
-    if kw.get("generator") is not None:
-        raise _generator_error(func)
+    if kw.get("generator") is not None:  # torch's generator, asked for by name: torch's values
+        return stock(*args, **kwargs)
     if _op_kind(func) is _OpKind.RANDOM_WITHOUT_RULE:
         if draws(func, kw):
             raise unsupported(func, kw)
@@ -329,42 +333,54 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
 
 def eager_key(
     op: object, global_shape: Sequence[Any], advance: int, device: torch.device,
-    rows: Rows | ScatteredRows | None, batch_split_by: object = None, batch_dim: tuple[int, str] = (0, ""),
+    rows: Rows | ScatteredRows | None, batch_split_by: object = None, batch: BatchDim = BATCH_MAJOR,
 ) -> tuple[torch.Tensor, int, list[int] | None]:
     """``(key, offset, counter strides)`` of an eager random op whose tensor has global
     shape ``global_shape``: outside a step (``rows`` None) it draws ``advance`` counters
     from offset 0 (strides None: the layout's own); inside one, at its ``rows`` of the
-    batch along ``batch_dim`` (``(dim, why)``; :func:`~compile_rng.semantics.rows.batch_window`).
+    batch along ``batch`` (:func:`~compile_rng.semantics.rows.batch_window`).
     The key's position comes from the op's name in a step with names, else is reserved
     from the device's state."""
     offset, strides = 0, None
     if rows is not None:
-        offset, advance, strides = batch_window(op, global_shape, rows, batch_split_by, *batch_dim)
+        offset, advance, strides = batch_window(op, global_shape, rows, batch_split_by, batch)
     seed, base = draw_position(op, advance, device)
     return cr_ops.make_key(seed, base, device), offset, strides
+
+
+def draw_rows() -> Rows | ScatteredRows | None:
+    """The rows of the step's global batch a draw here takes: the step's (or microbatch's),
+    but none in a backward pass that is not a recomputation of a forward. A gradient is
+    not a batch of rows: a gradient hook's noise, a communication hook's projections are
+    drawn as replicas, at the stream's position, the same on every rank."""
+    rows = current_rows()
+    if rows is not None and in_backward() and not recomputation.recomputing():
+        return None
+    return rows
 
 
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
     # along the dim torch's module or the step says
-    rows = current_rows()
-    batch_dim = _read_stack(func, rows is not None)
-    key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch_dim=batch_dim)
+    rows = draw_rows()
+    batch = read_stack(func, size, rows is not None)
+    key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch=batch)
     return key, offset, strides if strides is not None else contiguous_strides(size)
 
 
 _replay_codes: frozenset | None = None
 
 
-def _read_stack(func: OpOverload, in_a_step: bool) -> tuple[int, str]:
-    """One walk of the Python stack for a stream's draw of ``func``: refuses it under
-    torch's ``run_with_rng_state`` (or its forward twin) - a graph compiled by another
-    backend that would replay torch's generator for it in the backward; a dispatch mode met
-    the operator itself, the kernels of :mod:`~compile_rng.eager.random_kernels` meet only
-    the op inside - and, in a step, returns the batch dim ``(dim, why)`` the innermost of
-    torch's modules says (:mod:`~compile_rng.eager.batch_dims`), else the step's. The
-    frames are never kept: a list of them held in a frame on the stack is a cycle that
-    keeps every caller's locals alive."""
+def read_stack(func: OpOverload, shape: Sequence[int], in_a_step: bool) -> BatchDim:
+    """One walk of the Python stack for a stream's draw of ``func`` on a tensor of
+    ``shape``: refuses it under torch's ``run_with_rng_state`` (or its forward twin) - a
+    graph compiled by another backend that would replay torch's generator for it in the
+    backward; a dispatch mode met the operator itself, the kernels of
+    :mod:`~compile_rng.eager.random_kernels` meet only the op inside - and, in a step,
+    returns the batch dim the innermost of torch's modules says
+    (:mod:`~compile_rng.eager.batch_dims`, checked against ``shape``), else the step's.
+    The frames are never kept: a list of them held in a frame on the stack is a cycle
+    that keeps every caller's locals alive."""
     global _replay_codes
     if _replay_codes is None:
         _replay_codes = frozenset(map(id, rng_state_replay_codes()))
@@ -374,10 +390,10 @@ def _read_stack(func: OpOverload, in_a_step: bool) -> tuple[int, str]:
         if code in _replay_codes:
             raise _replay_error(func)
         if in_a_step and found is None and code in rules:  # a set lookup per frame: the walk is per draw
-            found = batch_dims.said_by(frame)
+            found = batch_dims.said_by(frame, shape)
     if found is not None:
         return found
-    return (step_batch_dim(), "") if in_a_step else (0, "")
+    return BatchDim(step_batch_dim()) if in_a_step else BATCH_MAJOR
 
 
 def _stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
@@ -457,6 +473,21 @@ def eager_stream() -> Iterator[None]:
     draws in the block is refused."""
     with _drawing():
         yield
+
+
+def _leave_the_stream_in_a_child() -> None:
+    # A process forked inside a step (a DataLoader's workers started in one) is in no
+    # stream: random_kernels forgets the handler there; DTensor's tracker, which serves
+    # every process, must not find the step's rows or names, nor pieces a mode follows.
+    stream = _stream.get()
+    if stream is not None:
+        stream.close()
+        _stream.set(None)
+    set_rows(None)
+    set_namer(None)
+
+
+os.register_at_fork(after_in_child=_leave_the_stream_in_a_child)
 
 
 def in_stream() -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -51,13 +52,18 @@ _installer: Callable[[], AbstractContextManager[None]] | None = None
 @dataclass(frozen=True)
 class _Drawing:
     """What the thread state holds inside a stream: the handler, the thread that entered
-    the stream and its context variables then (the step's rows, names, batch dim). A
-    backward's device thread (the engine hands it the caller's thread state) has none of
-    the caller's context variables: the handler runs there in this copy of them."""
+    the stream (None: a recomputation's, whose draws run in ``context`` on every thread) and
+    its context variables (the step's rows, names, batch dim). A backward's device thread
+    (the engine hands it the caller's thread state) has none of the caller's context
+    variables: the handler runs there in a copy of these."""
 
     handler: Handler
-    thread: int
+    thread: int | None
     context: contextvars.Context
+
+
+_open_lock = threading.Lock()
+_open = [0]  # streams open in this process, on any thread (uninstall() refuses inside one)
 
 
 def set_installer(installer: Callable[[], AbstractContextManager[None]]) -> None:
@@ -102,21 +108,78 @@ def active() -> Handler | None:
     return drawing.handler if drawing is not None else None
 
 
+def stream_here() -> tuple[Handler, contextvars.Context] | None:
+    """The stream random ops here draw from - its handler and a copy of the context its
+    draws run in - or None outside every stream (what a recomputation must draw from)."""
+    held = thread_object(_THREAD_KEY)
+    if held is None:
+        return None
+    return held.handler, (contextvars.copy_context() if held.thread == threading.get_ident() else held.context)
+
+
+def stream_context() -> contextvars.Context | None:
+    """The context the stream's draws here run in when it is not this thread's own (a
+    backward's device thread: the caller's; a recomputation: its forward's), else None.
+    Code that reads the stream's context variables for a draw (DTensor's tracker) runs in
+    a copy of it."""
+    held = thread_object(_THREAD_KEY)
+    return None if held is None or held.thread == threading.get_ident() else held.context
+
+
+def open_streams() -> int:
+    """How many streams are open in this process, on every thread."""
+    return _open[0]
+
+
 @contextlib.contextmanager
-def drawing(handler: Handler | None) -> Iterator[None]:
+def drawing(handler: Handler | None, context: contextvars.Context | None = None) -> Iterator[None]:
     """Random ops on plain tensors inside the block go to ``handler`` (None: to torch's
     kernels, as a DTensor region of torch's own tracker needs), with the context variables
-    as they are now (:func:`refreshed` after changing one a draw reads)."""
+    as they are now (:func:`refreshed` after changing one a draw reads), or - a
+    recomputation - in a copy of ``context`` on every thread."""
     if handler is not None and _installer is None:  # compile_rng.installation offers it on import
         raise RuntimeError("compile_rng internal error: the random ops' kernels were never offered")
-    with _installer() if handler is not None else contextlib.nullcontext():
+    with _installer() if handler is not None else contextlib.nullcontext(), _counted(handler is not None):
         previous = thread_object(_THREAD_KEY)
-        set_thread_object(_THREAD_KEY, _Drawing(handler, threading.get_ident(), contextvars.copy_context())
-                          if handler is not None else None)
+        if handler is None:
+            set_thread_object(_THREAD_KEY, None)
+        elif context is None:
+            set_thread_object(_THREAD_KEY, _Drawing(handler, threading.get_ident(), contextvars.copy_context()))
+        else:
+            set_thread_object(_THREAD_KEY, _Drawing(handler, None, context))
+        pid = os.getpid()
         try:
             yield
         finally:
-            set_thread_object(_THREAD_KEY, previous)
+            # a process forked inside the block draws torch's values (_forget_in_child)
+            set_thread_object(_THREAD_KEY, previous if os.getpid() == pid else None)
+
+
+@contextlib.contextmanager
+def _counted(stream: bool) -> Iterator[None]:
+    if not stream:
+        yield
+        return
+    with _open_lock:
+        _open[0] += 1
+    pid = os.getpid()
+    try:
+        yield
+    finally:
+        with _open_lock:
+            _open[0] = _open[0] - 1 if os.getpid() == pid else 0
+
+
+def _forget_in_child() -> None:
+    # A process forked inside a stream (a DataLoader's workers started in a step) copied
+    # the forking thread's handler: its random ops are torch's, as in any other process.
+    global _open_lock
+    set_thread_object(_THREAD_KEY, None)
+    _open_lock = threading.Lock()  # another thread may have held it at the fork
+    _open[0] = 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @contextlib.contextmanager

@@ -44,15 +44,15 @@ from compile_rng._torch.dtensor_internals import (
     rng_tracker,
 )
 from compile_rng._torch.dynamo_internals import eager_contextmanager
-from compile_rng.eager import batch_dims, random_kernels
-from compile_rng.eager.dispatch_modes import RandomOpMode, eager_key
+from compile_rng.eager import random_kernels
+from compile_rng.eager.dispatch_modes import RandomOpMode, draw_rows, eager_key, read_stack
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
 from compile_rng.semantics import spmd, verify
 from compile_rng.semantics.layouts import current_layout
 from compile_rng.semantics.pending_key import SITE, Site, pending_key
 from compile_rng.semantics.pieces import Pieces
-from compile_rng.semantics.rows import Rows, ScatteredRows, current_rows, step_batch_dim
+from compile_rng.semantics.rows import Rows, ScatteredRows
 from compile_rng.stream import state
 
 aten = torch.ops.aten
@@ -119,11 +119,16 @@ class Tracker(dtensor_rng_tracker_base()):
         """The region DTensor runs a random op's local op in (its ``_distribute_region``).
         The local op is never an eager stream's plain random op: where this region draws
         nothing itself (torch's tracker's meshes, a disabled region), it draws torch's."""
+        context = random_kernels.stream_context()  # read before the region hides the stream
         with random_kernels.drawing(None):
-            yield from self.drawing_region(spec, generator)
+            yield from self.drawing_region(spec, generator, context)
 
-    def drawing_region(self, spec: Any, generator: torch.Generator | None) -> Iterator[None]:
-        """:meth:`region`'s body (a generator): this tracker's mode or torch's tracker's region."""
+    def drawing_region(
+        self, spec: Any, generator: torch.Generator | None, context: contextvars.Context | None = None
+    ) -> Iterator[None]:
+        """:meth:`region`'s body (a generator): this tracker's mode or torch's tracker's
+        region. ``context``: the one the stream's draws run in where it is not this
+        thread's own (:func:`~compile_rng.eager.random_kernels.stream_context`)."""
         if not state.serves(spec.mesh):
             fallback = self.fallback(spec.mesh)
             fallback.distribute_region_enabled = self.distribute_region_enabled
@@ -139,7 +144,9 @@ class Tracker(dtensor_rng_tracker_base()):
             with distribute_region(self.fallback(spec.mesh), spec, generator):
                 yield
             return
-        counters = _counters(spec, generator)
+        counters = _counters(spec, generator) if context is None else _in(context, _counters, spec, generator)
+        if context is not None and counters is not None:
+            counters = functools.partial(_in, context, counters)
         if counters is None:
             yield
             return
@@ -163,6 +170,12 @@ class Tracker(dtensor_rng_tracker_base()):
     def reseed(self, parallel_seed: int) -> None:
         """DTensor's ``manual_seed(seed, mesh)`` (its ``_manual_seed``)."""
         state.manual_seed(parallel_seed)
+
+
+def _in(context: contextvars.Context, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in a copy of ``context``: a backward's device thread reads the caller's
+    rows, names and layout, a recomputation its forward's."""
+    return context.copy().run(fn, *args)
 
 
 def _check_local_tensor_mode(spec: Any) -> None:
@@ -193,7 +206,7 @@ def _counters(spec: Any, generator: torch.Generator | None) -> Callable | None:
     if tracing and get_proxy_mode() is None:
         return None
     # Eager inside a step: the rows of the batch, in the layout batched graphs use.
-    rows = None if tracing else current_rows()
+    rows = None if tracing else draw_rows()
     layout_name = _tracing_for_compile_rng.get() if tracing else ("invariant" if rows is not None else current_layout())
     if layout_name is None:
         raise RuntimeError(
@@ -242,12 +255,12 @@ def _eager_counters(
     layout = sharding.layout(layout_name, coords, local_shape)
     split = sharding.placements if isinstance(layout, Pieces) or sharding.shards_dim(0) else None
     if rows is not None:
-        dim, why = batch_dims.batch_dim_here(step_batch_dim())
-        if dim != 0:
+        batch = read_stack(func, sharding.global_shape, True)
+        if batch.dim != 0 or batch.heads != 1:
             raise NotImplementedError(
-                f"compile_rng: {func} draws on a DTensor inside compile_rng.step whose batch is dim {dim} "
-                f"({why or 'the step declares it'}): DTensor random ops in a step draw batch-major (dim 0) "
-                "only. Run that module on plain tensors (DDP, or FSDP2 outside it), or batch-first"
+                f"compile_rng: {func} draws on a DTensor inside compile_rng.step whose batch is dim {batch.dim} "
+                f"({batch.why or 'the step declares it'}): DTensor random ops in a step draw batch-major (dim 0, "
+                "one entry a row) only. Run that module on plain tensors (DDP, or FSDP2 outside it), or batch-first"
             )
     key, row_offset, batch_strides = eager_key(func, sharding.global_shape, int(sharding.advance()), device, rows, split)
     if isinstance(layout, Pieces):

@@ -115,34 +115,71 @@ def reset_step_batch_dim(token: contextvars.Token) -> None:
     _batch_dim.reset(token)
 
 
+@dataclass(frozen=True)
+class BatchDim:
+    """Which dim of a step's random op's tensor holds the batch: ``dim``; ``heads`` entries
+    along it per batch row (``nn.MultiheadAttention`` merges ``(batch, heads)`` into one dim,
+    batch-major); ``why``: the module whose checked layout says so, for messages - empty
+    where the step declares it (``compile_rng.step(batch_dim=)``, default 0)."""
+
+    dim: int = 0
+    why: str = ""
+    heads: int = 1
+
+
+#: the default: dim 0, as the step declares unless told otherwise
+BATCH_MAJOR = BatchDim()
+
+
 def batch_window(
-    op: object, global_shape: Sequence[Any], rows: Rows, batch_split_by: object = None, dim: int = 0,
-    why: str = "",
+    op: object, global_shape: Sequence[Any], rows: Rows, batch_split_by: object = None, batch: BatchDim = BATCH_MAJOR,
 ) -> tuple[int, int, list[int]]:
     """``(offset, advance, counter strides)`` of an eager random op inside a step whose
-    tensor (its DTensor-global shape ``global_shape``) holds the batch along ``dim``: its
-    rows are ``rows`` of the global batch, so element ``idx`` draws the counter of the
+    tensor (its DTensor-global shape ``global_shape``) holds the batch along ``batch.dim``:
+    its rows are ``rows`` of the global batch, so element ``idx`` draws the counter of the
     element at ``idx[dim] -> rows.start + idx[dim] * rows.stride`` of the global tensor
-    (``global_shape`` with ``rows.total`` along ``dim``), contiguous, from a range of
-    ``ceil4`` of its numel - what a batched graph's op draws
+    (``global_shape`` with ``rows.total`` along ``dim``; ``batch.heads`` entries a row),
+    contiguous, from a range of ``ceil4`` of its numel - what a batched graph's op draws
     (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows along dim 0.
     ``batch_split_by``: the placements of a DTensor whose batch dim is split over ranks
     (interleaved rows are refused: a rank's part of them is not evenly spaced in the
-    global batch). ``why``: what made ``dim`` the batch, for the error."""
-    if len(global_shape) <= dim or int(global_shape[dim]) != rows.count:
-        said = why or ("the step's batch_dim" if dim else "the step's default")
+    global batch). A dim the step declares (not a module's checked layout) other than 0
+    is refused on a tensor of 4 dims or more whose dim 0 has the batch's size too: that is
+    the layout of ``scaled_dot_product_attention``'s dropout, ``(batch, heads, L, S)`` in any
+    model, which the step's declaration cannot tell from ``(seq, batch, ...)``."""
+    dim, heads = batch.dim, batch.heads
+    said = batch.why or ("the step's batch_dim" if dim else "the step's default")
+    if len(global_shape) <= dim or int(global_shape[dim]) != rows.count * heads:
+        per_row = f" ({heads} entries a row: {batch.why})" if heads != 1 else ""
         raise NotImplementedError(
             f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
-            f"batch here has {rows.count} rows: every random op in a step draws at its rows of the global "
-            f"batch, so dim {dim} must be the batch ({said}). Draw other randomness (data sampling, noise of "
-            "another shape) outside the step block, transpose the tensor so the batch is that dim, or declare "
-            "the step's batch dim: compile_rng.step(..., batch_dim=1) for sequence-major code"
+            f"batch here has {rows.count} rows{per_row}: every random op in a step draws at its rows of the "
+            f"global batch, so dim {dim} must be the batch ({said}). Draw other randomness (data sampling, "
+            "noise of another shape) outside the step block, transpose the tensor so the batch is that dim, "
+            "or declare the step's batch dim: compile_rng.step(..., batch_dim=1) for sequence-major code"
+        )
+    if not batch.why and dim != 0 and len(global_shape) >= 4 and int(global_shape[0]) == rows.count:
+        raise NotImplementedError(
+            f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step(batch_dim={dim}), "
+            f"whose batch here has {rows.count} rows: dims 0 and {dim} both have the batch's size, so "
+            "compile_rng cannot tell whether this op is sequence-major as the step declares or batch-major "
+            "(scaled_dot_product_attention's dropout runs on (batch, heads, L, S) in any model). Run the "
+            "attention through nn.MultiheadAttention (whose layout compile_rng reads), or the model batch-first "
+            "(batch_dim=0)"
         )
     full = [int(s) for s in global_shape]
-    full[dim] = rows.total
+    full[dim] = rows.total * heads
     strides = contiguous_strides(full)
-    offset = rows.start * strides[dim]
-    strides[dim] *= rows.stride
+    offset = rows.start * heads * strides[dim]
+    if rows.stride != 1:
+        if heads != 1:
+            raise NotImplementedError(
+                f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} ({batch.why}) in a step whose "
+                "rows are interleaved: a batch row's heads are not evenly spaced in the global tensor. Pass "
+                "need_weights=False to nn.MultiheadAttention (its dropout then runs on (batch, heads, L, S)), "
+                "or give the step contiguous rows"
+            )
+        strides[dim] *= rows.stride
     if batch_split_by is not None and rows.stride != 1:
         raise NotImplementedError(
             f"compile_rng: {op} on a DTensor sharded on its batch dim ({batch_split_by}) in a "

@@ -5,11 +5,21 @@ On CPU, whose generator is not counter-based, compile_rng keeps the state itself
 XPU) the state *is* the current device's generator's Philox state (``initial_seed()``,
 ``get_offset()``), so compile_rng ops and eager CUDA ops share one stream, and
 ``torch.manual_seed`` restarts it.
+
+That generator is also what code outside compile_rng draws from (a data pipeline's
+augmentation between a step's microbatches), so compile_rng never moves it backwards: a
+block that draws from an earlier position of an accelerator stream (every microbatch of
+a step restarts at the step's position) *holds* that stream (:func:`held`). Inside it the
+stream's position is the block's own; each draw only moves torch's generator forward, to
+the end of the draw where that passes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -36,6 +46,54 @@ def _device_type(device: str | torch.device) -> str:
 
 #: device types whose state is the device generator's Philox state
 ACCELERATORS = ("cuda", "xpu")
+
+# The accelerator streams a block holds: device type -> [seed, offset], the block's own
+# position (a mutable list: a copy of the context - a backward's device thread - shares it).
+_held: contextvars.ContextVar[dict[str, list[int]] | None] = contextvars.ContextVar(
+    "compile_rng_held_streams", default=None
+)
+
+
+def _holding(start: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """The holds of the current context with ``start``'s accelerator streams added."""
+    hold = dict(_held.get() or {})
+    for kind, (seed, offset) in start.items():
+        if kind in ACCELERATORS:
+            hold[kind] = [check_uint64("seed", seed), check_uint64("offset", offset)]
+    return hold
+
+
+def hold(start: dict[str, tuple[int, int]]) -> None:
+    """Hold ``start``'s accelerator streams at its positions in the current context, for
+    good: for a private copy of a context (a recomputation's)."""
+    _held.set(_holding(start))
+
+
+@contextlib.contextmanager
+def held(start: dict[str, tuple[int, int]]) -> Iterator[None]:
+    """Every stream of ``start`` (a :func:`snapshot`) at its position there inside the
+    block: the CPU stream (compile_rng's alone) is set; an accelerator stream is held at
+    it, so that torch's generator, which other code draws from, never moves backwards."""
+    for kind, (seed, offset) in start.items():
+        if kind not in ACCELERATORS:
+            set_state(seed, offset, kind)
+    token = _held.set(_holding(start))
+    try:
+        yield
+    finally:
+        _held.reset(token)
+
+
+def _held_position(kind: str) -> list[int] | None:
+    hold = _held.get()
+    return None if hold is None else hold.get(kind)
+
+
+def _forward(kind: str, seed: int, offset: int) -> None:
+    """Move ``kind``'s generator forward to ``offset`` if it is behind it on ``seed``."""
+    gen = _generator(kind)
+    if gen.initial_seed() % UINT64 == seed and gen.get_offset() < offset:
+        gen.set_offset(offset)
 
 
 def serves(mesh: object) -> bool:
@@ -67,6 +125,9 @@ def manual_seed(seed: int) -> None:
         _seedings[0] += 1
     for kind in device_types()[1:]:
         getattr(torch, kind).manual_seed_all(seed)
+        position = _held_position(kind)
+        if position is not None:
+            position[:] = [seed, 0]
 
 
 def load(streams: dict[str, tuple[int, int]], run: tuple[int, int] | None) -> None:
@@ -91,6 +152,9 @@ def get_state(device: str | torch.device = "cpu") -> tuple[int, int]:
         with _lock:
             return _cpu_state[0], _cpu_state[1]
     if kind in ACCELERATORS:
+        position = _held_position(kind)
+        if position is not None:
+            return position[0], position[1]
         gen = _generator(kind)
         return gen.initial_seed() % UINT64, gen.get_offset()
     raise NotImplementedError(f"compile_rng: no Philox state for device type {kind!r}")
@@ -105,6 +169,10 @@ def set_state(seed: int, offset: int, device: str | torch.device = "cpu") -> Non
         with _lock:
             _cpu_state[:] = [seed, offset]
     elif kind in ACCELERATORS:
+        position = _held_position(kind)
+        if position is not None:
+            position[:] = [seed, offset]
+            return
         gen = _generator(kind)
         gen.manual_seed(seed)
         gen.set_offset(offset)
@@ -128,6 +196,17 @@ def restore(saved: dict[str, tuple[int, int]]) -> None:
         set_state(seed, offset, kind)
 
 
+def settle(end: dict[str, tuple[int, int]]) -> None:
+    """After blocks that :func:`held` the streams: put each at ``end`` (a :func:`snapshot`
+    taken inside the last), moving no accelerator generator backwards - code outside
+    compile_rng may have drawn past ``end`` from it in the meantime."""
+    for kind, (seed, offset) in end.items():
+        if kind in ACCELERATORS and _held_position(kind) is None:
+            _forward(kind, seed, offset)
+        else:
+            set_state(seed, offset, kind)
+
+
 def advance(increment: int, device: str | torch.device = "cpu") -> tuple[int, int]:
     """Reserve ``increment`` counters; returns the ``(seed, offset)`` before the advance.
 
@@ -138,6 +217,12 @@ def advance(increment: int, device: str | torch.device = "cpu") -> tuple[int, in
         raise ValueError(f"compile_rng: negative state advance {increment}")
     kind = _device_type(device)
     if kind != "cpu":
+        position = _held_position(kind) if kind in ACCELERATORS else None
+        if position is not None:
+            seed, offset = position
+            position[1] = _checked_sum(offset, increment)
+            _forward(kind, seed, position[1])
+            return seed, offset
         seed, offset = get_state(device)
         # the generator's offset only: re-seeding it per op (set_state) is needless work
         _generator(kind).set_offset(_checked_sum(offset, increment))

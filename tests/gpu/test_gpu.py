@@ -217,3 +217,53 @@ def test_draws_and_compiled_calls_never_wait_for_the_gpu():
             torch.rand(7, device=CUDA)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_backward_after_the_step_recomputes_its_rows_masks_on_the_device_thread():
+    """``loss.backward()`` after the step's block (``scaler.scale(loss).backward()``): the
+    device thread gets no stream from the caller, so the recomputation's stream comes
+    with the RNG state the checkpoint saved - plain and ``Shard(1)`` DTensor dropouts at
+    rows 4-7 of 8 recompute the forward's masks (tests/test_stream_edges.py on CPU)."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(32, 32, device=CUDA)
+    x = torch.randn(4, 32, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+
+    def run(block, t, ckpt):
+        part = t.detach().clone().requires_grad_()
+        compile_rng.manual_seed(4)
+        with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
+            out = checkpoint(block, part, use_reentrant=False) if ckpt else block(part)
+            loss = out.square().sum()
+        loss.backward()
+        return part.grad
+
+    plain = lambda t: F.dropout(lin(t), 0.3)  # noqa: E731
+    assert torch.equal(run(plain, x, False), run(plain, x, True))
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            mesh = DeviceMesh("cuda", [0, 1])
+            sharded = DTensor.from_local(x[:, rank * 16:(rank + 1) * 16], mesh, [Shard(1)])
+            block = lambda t: F.dropout(t * 2, 0.3)  # noqa: E731
+            assert torch.equal(run(block, sharded, False).to_local(), run(block, sharded, True).to_local())
+
+
+def test_microbatches_leave_torchs_generator_moving_forward():
+    """Code between microbatches drawing from torch's CUDA generator (augmentation after a
+    batch's transfer) gets new numbers for every batch; the microbatches draw the whole
+    batch's masks."""
+    x = torch.ones(8, 16, device=CUDA)
+    compile_rng.manual_seed(6)
+    with compile_rng.step(8):
+        whole = F.dropout(x, 0.5)
+    compile_rng.manual_seed(6)
+    from compile_rng.eager.batches import open_step
+
+    step, between, parts = open_step(8), [], []
+    for half in (x[:4], x[4:]):
+        between.append(torch.rand(64, device=CUDA))  # stock torch, outside the step
+        with step.microbatch(4):
+            parts.append(F.dropout(half, 0.5))
+    step.finish()
+    assert not torch.equal(between[0], between[1])
+    assert torch.equal(torch.cat(parts), whole)
