@@ -63,7 +63,15 @@ from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_o
 from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, RewrittenOp, RngPlan, Unsupported
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
 from compile_rng.semantics.pending_key import SITE
-from compile_rng.semantics.random_ops import RULES, RandomCall, draws, is_random, normalized_arguments, unsupported
+from compile_rng.semantics.random_ops import (
+    RULES,
+    RandomCall,
+    draws,
+    counter_shape,
+    is_random,
+    normalized_arguments,
+    unsupported,
+)
 from compile_rng.semantics.spmd import contiguous_strides
 from torch import fx
 
@@ -78,7 +86,7 @@ class _GraphCall(RandomCall):
         self.kw = normalized_arguments(node.target, node.args, node.kwargs)
         val = first_val(node)
         self.dtype = val.dtype
-        self.shape = [expr(s) for s in val.shape]
+        self.shape = drawn_global_shape(node)
         self.row_stride = row_stride  # a batched graph's global rows between two local ones
 
     def size(self):
@@ -100,6 +108,14 @@ class _GraphCall(RandomCall):
         with fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
         return node
+
+
+def drawn_global_shape(node: fx.Node) -> list:
+    """The shape a plain random op node draws counters over (its output's, but
+    :func:`~compile_rng.semantics.random_ops.counter_shape`)."""
+    kw = normalized_arguments(node.target, node.args, node.kwargs)
+    shape = counter_shape(node.target, kw, first_val(node).shape, lambda n: first_val(n).shape)
+    return [expr(s) for s in shape]
 
 
 def _functional_node(node: fx.Node) -> fx.Node:
@@ -166,6 +182,12 @@ def _draws(node: fx.Node) -> bool:
 def _check_plain(node: fx.Node, key: fx.Node) -> None:
     if node.target not in RULES:
         raise unsupported(node.target)
+    if first_val(node).dtype.is_complex:
+        raise NotImplementedError(
+            f"compile_rng: {node.target} draws a complex tensor: compiled graphs draw real dtypes only (eager "
+            "code draws complex ones as torch does, over the real view). Draw the real view, "
+            "torch.view_as_complex(torch.randn(*size, 2) / 2**0.5), or run the op eagerly (torch.compiler.disable)"
+        )
     if node.kwargs.get("generator") is not None:
         raise NotImplementedError(
             f"compile_rng: {node.target} got an explicit generator=; compiled random ops draw "
@@ -247,8 +269,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 continue
         info = node.meta[SITE] if pending else None
         global_shape = (
-            tuple(expr(s) for s in info.sharding.global_shape) if pending
-            else tuple(expr(s) for s in first_val(node).shape)
+            tuple(expr(s) for s in info.sharding.global_shape) if pending else tuple(drawn_global_shape(node))
         )
         numel = sympy.Mul(*global_shape) if global_shape else sympy.Integer(1)
         module = None

@@ -36,8 +36,10 @@ ATTENTION = {
     "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention", "_fill_mem_eff_dropout_mask_",
 }
 RNN = {"lstm", "gru", "rnn_tanh", "rnn_relu", "_cudnn_rnn", "miopen_rnn", "_lstm_mps", "_cudnn_init_dropout_state"}
-# Samplers with no counter-based form and a CUDA-only fused dropout: an error naming the op.
-REFUSED = {"_fused_dropout", "poisson", "_standard_gamma", "multinomial", "randperm", "binomial", "_sample_dirichlet"}
+# Samplers drawn by counter-based forms of their own (tests/test_random_ops_in_stream.py).
+SAMPLED = {"poisson", "_standard_gamma", "multinomial", "randperm", "binomial", "_sample_dirichlet"}
+# A CUDA-only fused dropout: an error naming the op.
+REFUSED = {"_fused_dropout"}
 # Tagged but never random (left alone whatever the arguments).
 NOT_RANDOM = {"_fused_sdp_choice", "_nested_tensor_softmax_with_shape", "_cudnn_attention_forward_no_dropout_inplace"}
 
@@ -68,7 +70,7 @@ def family(name: str) -> list:
 
 def test_every_tagged_family_is_audited():
     families = tagged_families()
-    audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | REFUSED | NOT_RANDOM
+    audited = REWRITTEN | DECOMPOSED | ATTENTION | RNN | SAMPLED | REFUSED | NOT_RANDOM
     assert set(families) <= audited, sorted(set(families) - audited)
     assert len(families) >= 70  # torch 2.11 (2.13: 71, with _flash_attention_forward_no_dropout_inplace)
 
@@ -127,10 +129,13 @@ def test_tagged_helpers_that_never_draw(name):
         assert not draws(op, {"dropout_p": 0.5})
 
 
-def test_refused_op_raises_when_compiled():
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="aten.poisson.default: it has no counter-based form"):
-        torch.compile(lambda x: torch.poisson(x), backend=compile_rng.backend(inner="aot_eager"))(torch.ones(4))
+@pytest.mark.parametrize("name", sorted(SAMPLED))
+def test_every_overload_of_a_sampled_family_draws_by_a_rule(name):
+    """The functional op, its ``out=`` and ``generator=`` overloads: each reaches a rule."""
+    from compile_rng.semantics.random_ops import functional_form
+
+    for op in family(name):
+        assert functional_form(op) is not None, op
 
 
 def _value(argument):
@@ -143,7 +148,9 @@ def _value(argument):
 @pytest.mark.parametrize("op", sorted(set(RULES) | set(INPLACE), key=str), ids=str)
 def test_arguments_are_named_as_torch_fx_names_them(op):
     """compile_rng's own binder of random ops' arguments (read once per op, for speed)
-    against torch.fx's ``normalize_function``, for every count of positional arguments."""
+    against torch.fx's ``normalize_function``, for every count of positional arguments; a
+    ``dtype`` default is the dtype the schema names, not the enum's int fx gives (``randint``'s
+    ``4`` is a device index to ``Tensor.to``)."""
     from torch.fx.operator_schemas import normalize_function
 
     from compile_rng.semantics.random_ops import normalized_arguments
@@ -158,4 +165,6 @@ def test_arguments_are_named_as_torch_fx_names_them(op):
         got = normalized_arguments(op, args, keywords)
         assert got.keys() == expected.keys()
         for name, value in expected.items():
+            if name == "dtype" and type(value) is int:  # fx keeps the schema's ScalarType int (4: long)
+                value = torch.empty(0, dtype={4: torch.int64, 6: torch.float32}[value]).dtype
             assert got[name] is value or (type(got[name]) is type(value) and got[name] == value), name

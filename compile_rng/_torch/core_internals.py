@@ -86,6 +86,17 @@ def op_arguments(op: OpOverload) -> list:
     return op._schema.arguments
 
 
+def schema_default(argument: Any) -> Any:
+    """An op schema argument's default as Python code passes it: the schema keeps a
+    ``ScalarType`` default as its enum's int (``randint``'s ``dtype=long`` is ``4``, which
+    as a ``Tensor.to`` argument is a device index). aten ops take that int for a dtype
+    (undocumented; 2.11.0-2.15.0), so the dtype is read off an empty meta tensor."""
+    value = argument.default_value
+    if argument.name == "dtype" and isinstance(value, int) and not isinstance(value, bool):
+        return torch.ops.aten.empty.memory_format([0], dtype=value, device="meta").dtype
+    return value
+
+
 def storage_weak_ref(storage: torch.UntypedStorage) -> Any:
     """A weak reference to a storage (``expired()`` once freed): per-name streams must
     not mistake a recycled address for a freed tensor."""

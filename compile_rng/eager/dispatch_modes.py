@@ -38,6 +38,8 @@ from compile_rng._torch.core_internals import (
     higher_order_op_name,
     in_backward,
     insert_dispatch_mode,
+    op_arguments,
+    op_name,
     is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
     remove_dispatch_mode,
@@ -47,8 +49,13 @@ from compile_rng.semantics import local_values
 from compile_rng.semantics.random_ops import (
     INPLACE,
     RULES,
+    Form,
+    RandomArgumentError,
     RandomCall,
+    counter_shape,
     draws,
+    foreign_seed_draw,
+    functional_form,
     is_random,
     normalized_arguments,
     unsupported,
@@ -67,26 +74,38 @@ from compile_rng.semantics.rows import (
 )
 from compile_rng.stream import ceil4, contiguous_strides
 
+aten = torch.ops.aten
+
 
 def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
-    """Output shape and dtype of a random op from its normalized arguments."""
+    """The shape a random op draws counters over (its output's, but see
+    :func:`~compile_rng.semantics.random_ops.counter_shape`) and its output dtype, from its
+    normalized arguments."""
     if "size" in kw:
         default = torch.int64 if "randint" in func.name() else torch.get_default_dtype()
         return list(kw["size"]), kw.get("dtype") or default
+    if "n" in kw:  # randperm
+        return [int(kw["n"])], kw.get("dtype") or torch.int64
     if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
         tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
         return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
-    first = kw["input"]
+    if "num_samples" in kw:  # multinomial
+        out = [*kw["input"].shape[:-1], int(kw["num_samples"])]
+        return list(counter_shape(func, kw, out, lambda t: t.shape)), torch.int64
+    first = kw["input"] if "input" in kw else kw["count"]
     return list(first.shape), kw.get("dtype") or first.dtype
 
 
 def _out_device(kw: dict) -> torch.device:
-    """The device a random op's output lives on, from its normalized arguments."""
+    """The device a random op's output lives on, from its normalized arguments: its
+    ``device=`` (a factory's, or a ``*_like``'s other device), else its tensors'."""
+    device = kw.get("device")
+    if device is not None:
+        return torch.device(device)
     for name in ("input", "self", "mean", "std"):
         if isinstance(kw.get(name), torch.Tensor):
             return kw[name].device
-    device = kw.get("device")
-    return torch.device(device) if device is not None else torch.get_default_device()
+    return torch.get_default_device()
 
 
 def drawn_shape(func: OpOverload, args: tuple, kwargs: dict) -> list | None:
@@ -183,7 +202,7 @@ def _op_kind(func: Any) -> _OpKind:
     if kind is None:
         if higher_order_op_name(func) is not None:
             kind = _OpKind.HIGHER_ORDER
-        elif INPLACE.get(func, func) in RULES:
+        elif INPLACE.get(func, func) in RULES or functional_form(func) is not None:
             kind = _OpKind.RULE
         elif is_random(func):
             kind = _OpKind.RANDOM_WITHOUT_RULE
@@ -232,18 +251,38 @@ class RandomOpMode(TorchDispatchMode):
 def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
     """Random op ``func`` on plain tensors drawn at the counters ``counters`` assigns (see
     :class:`RandomOpMode`); one without a counter-based form is refused where it draws.
-    ``stock(*args, **kwargs)`` is torch's own op, for what draws nothing."""
+    ``stock(*args, **kwargs)`` is torch's own op: for what draws nothing, for an explicit
+    ``generator=`` (torch's values from it), and for torch's own error where the arguments
+    are refused."""
     kw = normalized_arguments(func, args, kwargs)
     if kw.get("generator") is not None:  # torch's generator, asked for by name: torch's values
         return stock(*args, **kwargs)
-    if _op_kind(func) is _OpKind.RANDOM_WITHOUT_RULE:
+    if _op_kind(func) is _OpKind.RANDOM_WITHOUT_RULE or foreign_seed_draw(func, kw):
         if draws(func, kw):
             raise unsupported(func, kw)
         return stock(*args, **kwargs)
     device = _out_device(kw)
-    if device.type == "meta":  # shapes only: nothing drawn (as torch's generators)
+    if device.type == "meta" or not draws(func, kw):  # nothing drawn (a shape; dropout's train=False)
         return stock(*args, **kwargs)
-    size, dtype = _out_shape_dtype(func, kw)
+    form = functional_form(func)
+    drawn, drawn_kw = (func, kw) if form is None or form.op is func else (form.op, _sibling_arguments(form, kw))
+    try:
+        size, dtype = _out_shape_dtype(drawn, drawn_kw)
+        if dtype.is_complex:
+            result = _draw_complex(counters, drawn, drawn_kw, size, dtype)
+        else:
+            result = _draw_at(counters, drawn, drawn_kw, size, dtype, device)
+    except RandomArgumentError as refused:
+        raise _torch_refusal(func, kw, stock) or refused from None
+    if form is not None and form.outs:
+        return _written(result, [kw[name] for name in form.outs])
+    if "memory_format" in drawn_kw:
+        return _like_layout(result, drawn_kw)
+    return result
+
+
+def _draw_at(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: torch.dtype, device) -> Any:
+    """``func`` drawn at the counters ``counters`` assigns to its ``size``-shaped result."""
     key, offset, strides = counters(func, size, device)
     if isinstance(offset, Pieces):
         return _draw_pieces(func, kw, key, offset, size, dtype)
@@ -251,6 +290,120 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     if log is not None:
         log.append(Counters(key, offset, tuple(strides), tuple(size)))
     return _draw(func, kw, key, offset, strides, size, dtype)
+
+
+def _sibling_arguments(form: Form, kw: dict) -> dict:
+    """The arguments of ``form.op`` (the overload that draws) from those of its out= or
+    generator= sibling: the outputs' dtype and device for a factory, int bounds for a
+    ``randint_like.Tensor``'s 0-d tensors."""
+    own = normalized_arguments(form.op, (), {})
+    drawn = {name: kw[name] for name in own if name in kw}
+    if form.outs:
+        out = kw[form.outs[0]]
+        for name, value in (("dtype", out.dtype), ("device", out.device)):
+            if name in own and drawn.get(name) is None:
+                drawn[name] = value
+    for name in ("low", "high"):
+        if isinstance(drawn.get(name), torch.Tensor):
+            drawn[name] = int(drawn[name])
+    return drawn
+
+
+def _written(result: Any, outs: list[torch.Tensor]) -> Any:
+    """``out=``: the values written into the outputs, each resized to its value's shape."""
+    values = result if isinstance(result, tuple) else (result,)
+    for out, value in zip(outs, values):
+        if out.shape != value.shape:
+            out.resize_(value.shape)
+        out.copy_(value)
+    return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def _like_layout(result: torch.Tensor, kw: dict) -> torch.Tensor:
+    """A ``*_like`` result in the memory format torch gives it (``preserve_format``: the
+    input's strides, channels-last included); the values are the contiguous draw's."""
+    like, memory_format = kw["input"], kw.get("memory_format")
+    if memory_format in (None, torch.preserve_format) and like.is_contiguous() or memory_format is torch.contiguous_format:
+        return result
+    shaped = torch.empty_like(like, dtype=result.dtype, device=result.device,
+                              memory_format=memory_format or torch.preserve_format)
+    return result if shaped.stride() == result.stride() else shaped.copy_(result)
+
+
+# torch draws a complex tensor as its real view, (*size, 2) (ATen's uniform_ and normal_
+# on a complex tensor, normal_ with std / sqrt(2) for each part): the ops that accept one
+_COMPLEX_FILLS = {
+    aten.rand.default: aten.uniform_.default,
+    aten.rand_like.default: aten.uniform_.default,
+    aten.uniform.default: aten.uniform_.default,
+    aten.randn.default: aten.normal_.default,
+    aten.randn_like.default: aten.normal_.default,
+    aten.normal_functional.default: aten.normal_.default,
+    aten.normal.float_float: aten.normal_.default,
+}
+
+
+def _draw_complex(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: torch.dtype) -> Any:
+    """A complex tensor drawn as torch defines it: its real view ``(*size, 2)``, filled by
+    the real op (counters over that view, row-major: the parts of an element adjacent)."""
+    functional = INPLACE.get(func, func)
+    fill = _COMPLEX_FILLS.get(functional)
+    if fill is None:
+        raise RandomArgumentError(f"compile_rng: {func}: dtype {dtype} is not drawn by this op")
+    if counters is not _plain_counters:
+        raise NotImplementedError(
+            f"compile_rng: {func} on a complex DTensor or tensor-parallel piece: its shard layout is not "
+            "defined for complex values. Draw the real view (torch.view_as_real) as a DTensor"
+        )
+    if func is not functional:
+        target = kw["input"]
+    elif "input" in kw:
+        target = torch.empty_like(kw["input"], dtype=dtype, device=_out_device(kw))
+    else:
+        target = torch.empty(size, dtype=dtype, device=_out_device(kw))
+    real = torch.view_as_real(target)
+    if fill is aten.uniform_.default:
+        fill(real, kw.get("from", 0.0), kw.get("to", 1.0))
+    else:
+        std = kw.get("std", 1.0)
+        fill(real, kw.get("mean", 0.0), std / math.sqrt(2) if std >= 0 else std)
+    return target
+
+
+# functional ops whose input is only a template (its shape, dtype, device): torch is asked
+# with a one-element one; every other op's tensors carry values the checks read (rates,
+# probabilities, means), and are passed as they are
+_TEMPLATES = {"uniform", "exponential", "cauchy", "log_normal", "geometric", "random", "normal_functional",
+              "rand_like", "randn_like", "randint_like"}
+
+
+def _torch_refusal(func: OpOverload, kw: dict, stock: Callable) -> BaseException | None:
+    """torch's own exception for a call whose arguments compile_rng refuses (its type and
+    message: code that catches torch's error keeps working): the same call on one element
+    (``size`` [1], a one-element target, fresh outputs), whose arguments ATen checks
+    before it draws. None where torch accepts it (compile_rng's own error then stands)."""
+    one = dict(kw)
+    if "size" in one:
+        one["size"] = [1]
+    target = one.get("input")
+    if isinstance(target, torch.Tensor) and (func in INPLACE or op_name(func) in _TEMPLATES):
+        one["input"] = torch.empty(1, dtype=target.dtype, device=target.device)
+    positional, keywords = [], {}
+    for argument in op_arguments(func):
+        name = "input" if argument.name == "self" else argument.name
+        value = one.get(name)
+        if argument.is_out:
+            value = torch.empty(0, dtype=value.dtype, device=value.device)
+        if argument.kwarg_only:
+            keywords[argument.name] = value
+        else:
+            positional.append(value)
+    try:
+        with random_kernels.drawing(None):  # the ops a composite calls are torch's too
+            stock(*positional, **keywords)
+    except Exception as error:  # noqa: BLE001 - whatever torch raises is the answer
+        return error
+    return None
 
 
 def _higher_order_op(mode: RandomOpMode, func, args: tuple, kwargs: dict):
@@ -359,10 +512,14 @@ def draw_rows() -> Rows | ScatteredRows | None:
     return rows
 
 
+# draws with no batch dim: a permutation is drawn whole, as a replica, inside a step too
+_WHOLE = {aten.randperm.default}
+
+
 def _plain_counters(func, size, device):
     # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
     # along the dim torch's module or the step says
-    rows = draw_rows()
+    rows = None if func in _WHOLE else draw_rows()
     batch = read_stack(func, size, rows is not None)
     key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch=batch)
     return key, offset, strides if strides is not None else contiguous_strides(size)

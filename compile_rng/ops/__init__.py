@@ -27,6 +27,7 @@ import torch
 
 from compile_rng import stream
 from compile_rng._torch.core_internals import current_dispatch_mode
+from compile_rng.ops import samplers
 from compile_rng.stream import accelerator_ops, checks
 from compile_rng.stream.cpu_kernel import (
     FAST_BERNOULLI,
@@ -372,6 +373,68 @@ def random_bits(
 @random_bits.register_fake
 def _(key, offset, size, strides):
     return _empty(key, size, torch.int64)
+
+
+# --- samplers (compile_rng.ops.samplers: rounds at fixed counters) -----------------------
+
+
+def _raw_bits(key: torch.Tensor, offset: int, size: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """:func:`random_bits` by its kernel (:func:`call`), for a sampler's rounds."""
+    return call(torch.ops.compile_rng.random_bits.default, key, offset, size, strides)
+
+
+@_op("poisson")
+def poisson(key: torch.Tensor, offset: int, rates: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+    """Poisson counts of ``rates`` (shaped and typed like ``rates``)."""
+    checks.check_layout("poisson", rates.shape, strides)
+    draws = samplers.Draws(key, offset, rates.shape, strides, _raw_bits)
+    return samplers.poisson_values(draws, rates.double()).to(rates.dtype)
+
+
+@poisson.register_fake
+def _(key, offset, rates, strides):
+    return torch.empty_like(rates)
+
+
+@_op("binomial")
+def binomial(key: torch.Tensor, offset: int, count: torch.Tensor, prob: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+    """Binomial counts of ``count`` trials of probability ``prob`` (shaped and typed like ``count``)."""
+    checks.check_layout("binomial", count.shape, strides)
+    draws = samplers.Draws(key, offset, count.shape, strides, _raw_bits)
+    return samplers.binomial_values(draws, count.double(), prob.double().expand(count.shape)).to(count.dtype)
+
+
+@binomial.register_fake
+def _(key, offset, count, prob, strides):
+    return torch.empty_like(count)
+
+
+@_op("standard_gamma")
+def standard_gamma(key: torch.Tensor, offset: int, alpha: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+    """Standard gamma samples of shapes ``alpha``, at least the dtype's smallest normal (as ATen)."""
+    checks.check_layout("standard_gamma", alpha.shape, strides)
+    draws = samplers.Draws(key, offset, alpha.shape, strides, _raw_bits)
+    return samplers.gamma_values(draws, alpha.double()).to(alpha.dtype).clamp_(min=torch.finfo(alpha.dtype).tiny)
+
+
+@standard_gamma.register_fake
+def _(key, offset, alpha, strides):
+    return torch.empty_like(alpha)
+
+
+@_op("dirichlet")
+def dirichlet(key: torch.Tensor, offset: int, alpha: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+    """Dirichlet samples of concentrations ``alpha`` (its last dim): gamma samples at the
+    elements' counters, normalized over the last dim in float64."""
+    checks.check_layout("dirichlet", alpha.shape, strides)
+    draws = samplers.Draws(key, offset, alpha.shape, strides, _raw_bits)
+    gamma = samplers.gamma_values(draws, alpha.double()).clamp_(min=torch.finfo(alpha.dtype).tiny)
+    return (gamma / gamma.sum(-1, keepdim=True)).to(alpha.dtype)
+
+
+@dirichlet.register_fake
+def _(key, offset, alpha, strides):
+    return torch.empty_like(alpha)
 
 
 def make_key(

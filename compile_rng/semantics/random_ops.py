@@ -10,15 +10,18 @@ In-place ops map to their functional overload through :data:`INPLACE`.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from compile_rng import ops as _ops  # noqa: F401  (registers torch.ops.compile_rng)
-from compile_rng._torch.core_internals import OpOverload, op_arguments, op_name
+from compile_rng._torch.core_internals import OpOverload, op_arguments, op_name, schema_default
 
 aten = torch.ops.aten
 cr = torch.ops.compile_rng
@@ -50,7 +53,7 @@ def _schema_of(op: OpOverload) -> tuple[tuple[str, ...], dict[str, Any]]:
     if found is None:
         arguments = op_arguments(op)
         names = tuple("input" if a.name == "self" else a.name for a in arguments)
-        found = names, {n: a.default_value if a.has_default_value() else None for n, a in zip(names, arguments)}
+        found = names, {n: schema_default(a) if a.has_default_value() else None for n, a in zip(names, arguments)}
         _schemas[op] = found
     return found
 
@@ -87,7 +90,17 @@ class RandomCall(ABC):
     def apply(self, target: Callable, *args: Any) -> Any: ...
 
     def fail(self, why: str, fix: str) -> None:
-        raise ValueError(f"compile_rng: {self.op}: {why}; {fix}")
+        raise RandomArgumentError(f"compile_rng: {self.op}: {why}; {fix}")
+
+
+class RandomArgumentError(RuntimeError):
+    """Arguments a random op refuses. The conditions are torch's own (a RuntimeError there
+    too); eager code raises torch's exception itself where torch has one for the call."""
+
+
+def _values_known(value: Any) -> bool:
+    """Whether ``value`` is a tensor with values here (eager), not a traced one or a node."""
+    return type(value) is torch.Tensor and value.numel() > 0
 
 
 def _probability(call: RandomCall, name: str) -> float:
@@ -107,9 +120,16 @@ def _float_dtype(call: RandomCall) -> torch.dtype:
 
 def _uniform(call: RandomCall) -> Any:
     low, high = float(call.arg("from", 0.0)), float(call.arg("to", 1.0))
+    dtype = _float_dtype(call)
+    limit = torch.finfo(dtype).max
+    for name, bound in (("from", low), ("to", high)):
+        if not -limit <= bound <= limit:  # ATen: out of the dtype's bounds (NaN too)
+            call.fail(f"{name}={bound} is out of bounds for {dtype}", "pass finite bounds the dtype holds")
     if not low <= high:
         call.fail(f"from={low} > to={high}", "pass from <= to")
-    return call.emit(cr.uniform.default, call.size(), call.strides(), low, high, _float_dtype(call))
+    if not high - low <= limit:
+        call.fail(f"to - from = {high - low} exceeds the largest {dtype}", "narrow the range")
+    return call.emit(cr.uniform.default, call.size(), call.strides(), low, high, dtype)
 
 
 def _standard_normal(call: RandomCall, mean: float = 0.0, std: float = 1.0) -> Any:
@@ -122,6 +142,8 @@ def _normal(call: RandomCall) -> Any:
         if not std >= 0:
             call.fail(f"std={std} is negative", "pass std >= 0")
         return _standard_normal(call, float(mean), float(std))
+    if _values_known(std) and not bool(std.min() >= 0):  # ATen: every element, NaN refused
+        call.fail("an element of std is negative", "pass std >= 0")
     # tensor mean and/or std: z * std + mean, broadcast like aten.normal
     z = _standard_normal(call)
     return call.apply(aten.add.Tensor, call.apply(aten.mul.Tensor, z, std), mean)
@@ -136,11 +158,15 @@ def _exponential(call: RandomCall, dtype: torch.dtype | None = None, lambd: floa
 
 
 def _log_normal(call: RandomCall) -> Any:
+    if not float(call.arg("std", 1.0)) > 0:
+        call.fail(f"std={call.arg('std', 1.0)} is not positive", "pass std > 0")
     return call.apply(aten.exp.default, _normal(call))
 
 
 def _cauchy(call: RandomCall) -> Any:
     median, sigma = float(call.arg("median", 0.0)), float(call.arg("sigma", 1.0))
+    if not sigma > 0:
+        call.fail(f"sigma={sigma} is not positive", "pass sigma > 0")
     u = call.emit(cr.uniform.default, call.size(), call.strides(), -0.5, 0.5, _float_dtype(call))
     tan = call.apply(aten.tan.default, call.apply(aten.mul.Tensor, u, math.pi))
     return call.apply(aten.add.Tensor, call.apply(aten.mul.Tensor, tan, sigma), median)
@@ -148,11 +174,9 @@ def _cauchy(call: RandomCall) -> Any:
 
 def _geometric(call: RandomCall) -> Any:
     # ceil of an exponential with rate -ln(1 - p) is geometric on {1, 2, ...}
-    p = _probability(call, "p")
-    if p == 0.0:
-        call.fail("p=0 never succeeds", "pass p in (0, 1]")
-    if p == 1.0:
-        return call.apply(aten.full.default, call.size(), 1, dtype=call.dtype)
+    p = float(call.arg("p"))
+    if not 0.0 < p < 1.0:  # ATen's bounds, NaN refused
+        call.fail(f"p={p} is not in (0, 1)", "pass p in (0, 1)")
     e = _exponential(call, torch.float64, -math.log1p(-p))
     return call.apply(prims.convert_element_type.default, call.apply(aten.ceil.default, e), call.dtype)
 
@@ -165,20 +189,27 @@ def _bernoulli_tensor(call: RandomCall) -> Any:
     p = call.arg("p", None)
     if p is None:  # aten.bernoulli.default: the input holds the probabilities
         p = call.arg("input")
-    else:
+    if _values_known(p) and not bool(((p >= 0) & (p <= 1)).all()):  # ATen checks every element
+        call.fail("an element of p is not a probability", "pass p in [0, 1]")
+    if call.arg("p", None) is not None:
         p = call.apply(aten.expand.default, p, call.size())
     return call.emit(cr.bernoulli_tensor.default, p, call.strides(), call.dtype)
 
 
 def _dropout(call: RandomCall) -> Any:
-    if call.arg("train", True) is False:
-        call.fail("train=False has no randomness", "call it only in training mode")
+    if call.arg("train", True) is False:  # ATen: the input (a copy) and a mask of ones
+        x = call.arg("input")
+        return call.apply(aten.clone.default, x), call.apply(aten.ones_like.default, x, dtype=torch.bool)
     return call.emit(cr.dropout.default, call.arg("input"), call.strides(), _probability(call, "p"))
 
 
 def _randint(call: RandomCall, low: int, high: int) -> Any:
     if not low < high:
         call.fail(f"empty range [{low}, {high})", "pass low < high")
+    smallest, largest = _integer_bounds(call.dtype)
+    for name, bound in (("from", low), ("to - 1", high - 1)):
+        if not smallest <= bound <= largest:  # ATen: every value the range holds fits the dtype
+            call.fail(f"{name}={bound} is out of bounds for {call.dtype}", "pass a range the dtype holds")
     return call.emit(cr.randint.default, call.size(), call.strides(), int(low), int(high), call.dtype)
 
 
@@ -186,19 +217,105 @@ def _randint_args(call: RandomCall) -> Any:
     return _randint(call, call.arg("low", 0), call.arg("high"))
 
 
+def _integer_bounds(dtype: torch.dtype) -> tuple[int, int]:
+    """The integers ``dtype`` holds exactly, as ATen's ``random_`` bounds them."""
+    if dtype == torch.bool:
+        return 0, 1
+    if dtype.is_floating_point:
+        digits = 1 - int(math.log2(torch.finfo(dtype).eps))
+        return -(2**digits), 2**digits
+    return torch.iinfo(dtype).min, torch.iinfo(dtype).max
+
+
 def _random_default_high(dtype: torch.dtype) -> int:
-    """``random_()``'s exclusive upper bound: every integer the dtype holds exactly."""
+    """``random_()``'s exclusive upper bound: every integer the dtype holds exactly - for a
+    float dtype ``[0, 2**digits]``, ``digits`` its significand's bits (ATen's ``random_``)."""
     if dtype == torch.bool:
         return 2
-    if dtype.is_floating_point:
-        return 2 ** (torch.finfo(dtype).nmant + 1) + 1
-    return torch.iinfo(dtype).max + 1
+    return _integer_bounds(dtype)[1] + 1
 
 
 def _random(call: RandomCall) -> Any:
     low = call.arg("from", 0)
     high = call.arg("to", None)
     return _randint(call, low, _random_default_high(call.dtype) if high is None else high)
+
+
+def _randperm(call: RandomCall) -> Any:
+    """A permutation of ``range(n)``: the positions of the counters' 64-bit values in
+    ascending order (a stable sort: equal values, a 2**-64 event, keep their order)."""
+    n = int(call.arg("n"))
+    if n < 0:
+        call.fail(f"n={n} is negative", "pass n >= 0")
+    if call.dtype != torch.int64 and n > _integer_bounds(call.dtype)[1] + 1:
+        call.fail(f"n={n} is too large for {call.dtype}", "pass a wider dtype")
+    keys = call.emit(cr.random_bits.default, call.size(), call.strides())
+    order = call.apply(aten.sort.stable, keys, stable=True)
+    return call.apply(prims.convert_element_type.default, call.apply(operator.getitem, order, 1), call.dtype)
+
+
+def _check_distribution(call: RandomCall, probs: Any) -> None:
+    """ATen's checks of a multinomial's probabilities (where their values are known)."""
+    if not _values_known(probs):
+        return
+    if not bool(((probs >= 0) & probs.isfinite()).all()):
+        call.fail("a probability is negative, inf or nan", "pass finite non-negative weights")
+    if not bool((probs.sum(-1) > 0).all()):
+        call.fail("a distribution sums to 0", "give every row a positive weight")
+
+
+def _multinomial(call: RandomCall) -> Any:
+    """``num_samples`` categories per row of weights. With replacement: the inverse CDF of
+    one float64 uniform per sample (counters over the samples, ``(rows, num_samples)``).
+    Without: ATen's own race, ``argtopk(p / q)`` with ``q`` exponential (counters over the
+    weights, one per category), its samples in the order the race gives them."""
+    probs, k = call.arg("input"), int(call.arg("num_samples"))
+    if k <= 0:
+        call.fail(f"num_samples={k}", "sample at least one")
+    _check_distribution(call, probs)
+    if not call.arg("replacement", False):
+        if _values_known(probs) and not bool(((probs > 0).sum(-1) >= k).all()):
+            call.fail("fewer categories of positive weight than samples without replacement", "sample fewer")
+        q = call.emit(cr.exponential.default, call.size(), call.strides(), 1.0, torch.float64)
+        race = call.apply(aten.div.Tensor, probs, q)
+        return call.apply(operator.getitem, call.apply(aten.topk.default, race, k), 1)
+    u = call.emit(cr.uniform.default, call.size(), call.strides(), 0.0, 1.0, torch.float64)
+    weights = call.apply(prims.convert_element_type.default, probs, torch.float64)
+    cdf = call.apply(aten.cumsum.default, weights, -1)
+    total = call.apply(aten.slice.Tensor, cdf, -1, -1)
+    picks = call.apply(aten.searchsorted.Tensor, cdf, call.apply(aten.mul.Tensor, u, total), right=True)
+    # the last category of positive weight where rounding leaves u * total at the top
+    last = call.apply(aten.argmax.default, cdf, -1, True)
+    return call.apply(aten.minimum.default, picks, last)
+
+
+def _poisson(call: RandomCall) -> Any:
+    rates = call.arg("input")
+    if _values_known(rates) and not bool((rates >= 0).all()):  # ATen: per element, NaN refused
+        call.fail("a rate is negative or nan", "pass rates >= 0")
+    return call.emit(cr.poisson.default, rates, call.strides())
+
+
+def _binomial(call: RandomCall) -> Any:
+    count, prob = call.arg("count"), call.arg("prob")
+    return call.emit(cr.binomial.default, count, prob, call.strides())
+
+
+def _standard_gamma(call: RandomCall) -> Any:
+    return call.emit(cr.standard_gamma.default, call.arg("input"), call.strides())
+
+
+def _sample_dirichlet(call: RandomCall) -> Any:
+    return call.emit(cr.dirichlet.default, call.arg("input"), call.strides())
+
+
+def counter_shape(op: OpOverload, kw: dict, output_shape: Any, shape_of: Callable[[Any], Any]) -> Any:
+    """The shape whose counters ``op`` draws (its advance is ``ceil4`` of its numel): the
+    output's, but a ``multinomial`` without replacement draws one per category (the
+    shape of its weights, ``shape_of(kw["input"])``)."""
+    if op_name(op) == "multinomial" and not kw.get("replacement"):
+        return shape_of(kw["input"])
+    return output_shape
 
 
 RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
@@ -227,6 +344,12 @@ RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
     aten.random.default: _random,
     getattr(aten.random, "from"): _random,
     aten.random.to: _random,
+    aten.randperm.default: _randperm,
+    aten.multinomial.default: _multinomial,
+    aten.poisson.default: _poisson,
+    aten.binomial.default: _binomial,
+    aten._standard_gamma.default: _standard_gamma,
+    aten._sample_dirichlet.default: _sample_dirichlet,
 }
 
 
@@ -261,6 +384,53 @@ INPLACE: dict[OpOverload, OpOverload] = {
     getattr(aten.random_, "from"): getattr(aten.random, "from"),
     aten.random_.to: aten.random.to,
 }
+
+
+@dataclass(frozen=True)
+class Form:
+    """How an overload without a rule of its own draws: ``op``'s rule (a sibling in its
+    family whose arguments are this overload's less ``generator=`` and its outputs), then
+    the values written into the ``outs`` arguments (``rand.out``, ``native_dropout.out``)."""
+
+    op: OpOverload
+    outs: tuple[str, ...]
+
+
+# arguments a factory's functional sibling has that its ``out=`` overload takes from ``out``
+_FACTORY_ARGUMENTS = {"dtype", "layout", "device", "pin_memory", "memory_format"}
+# families whose functional form has another name
+_SIBLING_FAMILIES = {"normal": ("normal", "normal_functional")}
+
+
+@functools.cache
+def functional_form(op: OpOverload) -> Form | None:
+    """The rule an overload of a random op family draws by (its own, or a sibling's and
+    the outputs to write), None where the family has none (an in-place op: :data:`INPLACE`)."""
+    if op in RULES:
+        return Form(op, ())
+    if not isinstance(op, OpOverload):
+        return None
+    arguments = op_arguments(op)
+    outs = tuple(a.name for a in arguments if a.is_out)
+    own = {_typed(a) for a in arguments if a.name not in {"generator", *outs}}
+    for family in _SIBLING_FAMILIES.get(op_name(op), (op_name(op),)):
+        packet = getattr(aten, family, None)
+        for overload in packet.overloads() if packet is not None else ():
+            sibling = getattr(packet, overload)
+            if sibling in RULES:
+                theirs = {_typed(a) for a in op_arguments(sibling) if a.name != "generator"}
+                if own <= theirs and {n for n, _ in theirs - own} <= (_FACTORY_ARGUMENTS if outs else set()):
+                    return Form(sibling, outs)
+    return None
+
+
+def _typed(argument: Any) -> tuple[str, str]:
+    """``(name, type)`` of a schema argument; a bound of ``randint_like.Tensor`` (a 0-d
+    tensor) counts as the int its sibling takes (the rule reads it with ``int()``)."""
+    kind = str(argument.type)
+    if argument.name in ("low", "high") and kind == "Tensor":
+        kind = "int"
+    return argument.name, kind
 
 
 def is_random(op: object) -> bool:
@@ -320,7 +490,7 @@ _DEFAULT_FIX = (
 )
 
 
-def _inductor_seed_draw(op: OpOverload, kw: dict) -> bool:
+def foreign_seed_draw(op: OpOverload, kw: dict) -> bool:
     """Stock Inductor's generated code drawing its graph's seeds (``RandomSeeds``:
     ``aten.randint.low_out`` over the whole int64 range; torch 2.13-2.15)."""
     limits = torch.iinfo(torch.int64)
@@ -329,7 +499,7 @@ def _inductor_seed_draw(op: OpOverload, kw: dict) -> bool:
 
 def unsupported(op: OpOverload, kw: dict | None = None) -> NotImplementedError:
     """The error for random op ``op`` (normalized arguments ``kw``) that compile_rng cannot draw."""
-    if kw is not None and _inductor_seed_draw(op, kw):
+    if kw is not None and foreign_seed_draw(op, kw):
         return NotImplementedError(
             f"compile_rng: a graph compiled by another backend (stock Inductor: {op} over the whole int64 "
             "range is its seed draw) ran inside compile_rng.step or compile_rng.compile: its random ops would "

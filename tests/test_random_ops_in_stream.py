@@ -1,0 +1,334 @@
+"""Every random op torch has, inside a stream: what torch accepts, refuses and returns.
+
+Inside a stream compile_rng replaces torch's random ops. These tests pin that, for each
+op, the stream accepts and refuses exactly what torch does (torch's own exception, its
+type and message: the reference is stock torch run on the same call), returns torch's
+dtype, layout and memory format, writes ``out=`` as torch does, and draws the ops torch
+has no counter-based form for in compile_rng (``randperm``, ``multinomial``,
+``poisson``, ``binomial``, ``_standard_gamma``, ``_sample_dirichlet``): their values are
+documented functions of the counters (checked against an independent composition of the
+stream's own ops), their distributions pass chi-square / KS tests, their rows in a step
+do not depend on how the batch is split, and compiled graphs draw the eager values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compile_rng
+from compile_rng import ops
+from compile_rng.eager.dispatch_modes import eager_stream
+
+pytestmark = pytest.mark.torch_independent
+
+
+def _outcome(fn):
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is compared, whatever it is
+        return type(e), str(e)
+    return "ok", tuple(result.shape), result.dtype, result.stride()
+
+
+REFUSED = {
+    "cauchy sigma=0": lambda: torch.empty(3).cauchy_(0, 0),
+    "uniform range past float32": lambda: torch.empty(3).uniform_(-3e38, 3e38),
+    "uniform to=inf": lambda: torch.empty(3).uniform_(0, math.inf),
+    "uniform from > to": lambda: torch.empty(3).uniform_(3, 2),
+    "normal std < 0": lambda: torch.empty(3).normal_(0, -1),
+    "normal tensor std < 0": lambda: torch.normal(torch.zeros(3), -torch.ones(3)),
+    "exponential lambd < 0": lambda: torch.empty(3).exponential_(-1),
+    "log_normal std = 0": lambda: torch.empty(3).log_normal_(0, 0),
+    "geometric p = 1": lambda: torch.empty(3).geometric_(1),
+    "bernoulli p = 2": lambda: torch.empty(3).bernoulli_(2.0),
+    "bernoulli tensor p = 2": lambda: torch.bernoulli(torch.full((3,), 2.0)),
+    "random_ int8 to 1000": lambda: torch.empty(3, dtype=torch.int8).random_(0, 1000),
+    "randint empty range": lambda: torch.randint(3, 3, (2,)),
+    "rand int64": lambda: torch.rand(3, dtype=torch.int64),
+    "randn int64": lambda: torch.randn(3, dtype=torch.int64),
+    "multinomial without replacement, too many": lambda: torch.multinomial(torch.ones(2, 3), 4),
+    "multinomial negative weight": lambda: torch.multinomial(torch.tensor([1.0, -1.0]), 1),
+    "poisson negative rate": lambda: torch.poisson(torch.tensor([-1.0])),
+}
+
+ACCEPTED = {
+    "randint default dtype": lambda: torch.randint(3, (2, 1)),
+    "randint int64 named": lambda: torch.randint(3, (2, 1), dtype=torch.int64),
+    "random_ float32": lambda: torch.empty(2, 3).random_(),
+    "random_ float16": lambda: torch.empty(2, 3, dtype=torch.float16).random_(),
+    "rand complex64": lambda: torch.rand(2, 3, dtype=torch.complex64),
+    "randn complex128": lambda: torch.randn(2, 3, dtype=torch.complex128),
+    "rand_like channels_last": lambda: torch.rand_like(torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)),
+    "randn_like channels_last": lambda: torch.randn_like(torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)),
+    "randint_like channels_last": lambda: torch.randint_like(
+        torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last), 9),
+    "rand out float64": lambda: torch.rand(4, 2, out=torch.empty(0, dtype=torch.float64)),
+    "randn out": lambda: torch.randn(4, 2, out=torch.empty(8)),
+    "normal Tensor_float out": lambda: torch.normal(torch.zeros(4), 1.0, out=torch.empty(4)),
+    "bernoulli out": lambda: torch.bernoulli(torch.full((4,), 0.5), out=torch.empty(4)),
+    "randint generator=None": lambda: torch.ops.aten.randint.generator(5, [4], generator=None),
+    "native_dropout train=False": lambda: torch.ops.aten.native_dropout(torch.ones(4), 0.5, False)[1],
+    "randperm out": lambda: torch.randperm(5, out=torch.empty(0, dtype=torch.int64)),
+    "randperm int32": lambda: torch.randperm(7, dtype=torch.int32),
+    "multinomial 1-d": lambda: torch.multinomial(torch.tensor([0.2, 0.0, 0.8]), 2),
+    "poisson": lambda: torch.poisson(torch.tensor([0.5, 30.0])),
+    "binomial": lambda: torch.binomial(torch.tensor([10.0, 100.0]), torch.tensor([0.5, 0.9])),
+    "gamma": lambda: torch._standard_gamma(torch.tensor([0.3, 4.0])),
+    "dirichlet": lambda: torch._sample_dirichlet(torch.tensor([[0.3, 4.0, 1.0]])),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED) + list(ACCEPTED))
+def test_the_stream_accepts_and_refuses_what_torch_does(case):
+    """Outcome in the stream == stock torch's: the same exception (type and message), or
+    a result of the same shape, dtype and strides."""
+    fn = {**REFUSED, **ACCEPTED}[case]
+    stock = _outcome(fn)
+    with eager_stream():
+        mine = _outcome(fn)
+    assert mine == stock
+    assert (stock[0] == "ok") == (case in ACCEPTED)
+
+
+def test_complex_draws_are_the_real_views_draws():
+    """torch draws a complex tensor as its real view (normal_ with std / sqrt(2) each part):
+    counters run over that ``(*size, 2)`` view."""
+    compile_rng.manual_seed(5)
+    with eager_stream():
+        u = torch.rand(2, 3, dtype=torch.complex64)
+        z = torch.randn(2, 3, dtype=torch.complex128)
+    want_u = ops.uniform(ops.make_key(5, 0), 0, [2, 3, 2], [6, 2, 1], 0.0, 1.0, torch.float32)
+    want_z = ops.normal(ops.make_key(5, 12), 0, [2, 3, 2], [6, 2, 1], 0.0, 1 / math.sqrt(2), torch.float64)
+    assert torch.equal(torch.view_as_real(u), want_u) and torch.equal(torch.view_as_real(z), want_z)
+
+
+def test_like_draws_keep_the_memory_format_and_the_contiguous_values():
+    x = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    compile_rng.manual_seed(1)
+    with eager_stream():
+        got = torch.rand_like(x)
+    compile_rng.manual_seed(1)
+    with eager_stream():
+        want = torch.rand(2, 3, 4, 5)
+    assert got.is_contiguous(memory_format=torch.channels_last) and torch.equal(got, want)
+
+
+def test_out_overloads_write_the_functional_values():
+    compile_rng.manual_seed(2)
+    with eager_stream():
+        out = torch.empty(0, dtype=torch.float64)
+        returned = torch.rand(3, 4, out=out)
+    compile_rng.manual_seed(2)
+    with eager_stream():
+        want = torch.rand(3, 4, dtype=torch.float64)
+    assert returned is out and torch.equal(out, want)
+
+
+# --- samplers: documented functions of the counters ----------------------------------
+
+
+def test_randperm_sorts_the_counters_random_bits():
+    compile_rng.manual_seed(3)
+    with eager_stream():
+        perm = torch.randperm(50)
+    keys = ops.random_bits(ops.make_key(3, 0), 0, [50], [1])
+    assert torch.equal(perm, torch.sort(keys, stable=True).indices)
+
+
+def test_multinomial_is_the_race_or_the_inverse_cdf_of_the_stream():
+    probs = torch.tensor([[0.1, 0.0, 0.5, 0.4], [1.0, 2.0, 3.0, 4.0]])
+    compile_rng.manual_seed(4)
+    with eager_stream():
+        race = torch.multinomial(probs, 3)
+        drawn = torch.multinomial(probs, 6, replacement=True)
+    q = ops.exponential(ops.make_key(4, 0), 0, [2, 4], [4, 1], 1.0, torch.float64)
+    assert torch.equal(race, torch.topk(probs / q, 3).indices)
+    u = ops.uniform(ops.make_key(4, 8), 0, [2, 6], [6, 1], 0.0, 1.0, torch.float64)
+    cdf = probs.double().cumsum(-1)
+    assert torch.equal(drawn, torch.searchsorted(cdf, u * cdf[:, -1:], right=True))
+
+
+def test_rejection_samplers_take_rounds_at_the_elements_counters():
+    """Draw ``j`` of element ``n`` is counter ``n`` under ``seed ^ C_j``: the rounds after
+    the first (explicit counters, torch ops) give the kernel's values at those counters."""
+    from compile_rng.ops.samplers import Draws, draw_constant
+
+    key = ops.make_key(2**63 + 5, 2**64 - 6)  # the counters wrap
+    draws = Draws(key, 3, [3, 5], [7, 1], ops.random_bits)
+    for j in (0, 1, 4):
+        assert torch.equal(draws.at(j, torch.arange(15)), draws.all(j).view(-1))
+    bits = ops.random_bits(ops.make_key((2**63 + 5) ^ (draw_constant(4) % 2**64), 2**64 - 6), 3, [3, 5], [7, 1])
+    assert torch.equal(draws.all(4), ((bits >> 11) & (2**53 - 1)).double().add(0.5).mul(2.0**-53))
+
+
+N = 1 << 18
+
+
+def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+def test_randperm_is_uniform_over_permutations():
+    import itertools
+
+    index = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
+    counts = torch.zeros(24)
+    compile_rng.manual_seed(6)
+    with eager_stream():
+        for _ in range(4800):
+            counts[index[tuple(torch.randperm(4).tolist())]] += 1
+    assert _chi2(counts, torch.full((24,), 200.0)) < 49.7  # 23 degrees of freedom, p = 0.001
+
+
+def test_multinomial_frequencies():
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    compile_rng.manual_seed(7)
+    with eager_stream():
+        drawn = torch.multinomial(p, N, replacement=True)
+        pairs = torch.multinomial(p.expand(N, 4), 2)
+    assert _chi2(torch.bincount(drawn, minlength=4), p.double() * N) < 16.3  # 3 dof, p = 0.001
+    # without replacement: the first pick ~ p, the second ~ p_j / (1 - p_i)
+    joint = torch.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16).view(4, 4)
+    expected = p.double()[:, None] * p.double()[None, :] / (1 - p.double()[:, None]) * N
+    expected.fill_diagonal_(0)
+    off = ~torch.eye(4, dtype=torch.bool)
+    assert int(joint.diagonal().sum()) == 0
+    assert _chi2(joint[off], expected[off]) < 32.9  # 11 dof, p = 0.001
+
+
+def _ks(samples: torch.Tensor, cdf) -> float:
+    x, _ = samples.double().sort()
+    f = cdf(x)
+    n = x.numel()
+    grid = torch.arange(0, n + 1, dtype=torch.float64) / n
+    return float(torch.maximum(grid[1:] - f, f - grid[:-1]).max())
+
+
+@pytest.mark.parametrize("alpha", [0.3, 1.0, 4.5])
+def test_gamma_ks(alpha):
+    compile_rng.manual_seed(8)
+    with eager_stream():
+        g = torch._standard_gamma(torch.full((N,), alpha, dtype=torch.float64))
+    assert _ks(g, lambda x: torch.special.gammainc(torch.tensor(alpha, dtype=torch.float64), x)) < 1.95 / math.sqrt(N)
+
+
+def _discrete_chi2(values: torch.Tensor, pmf: torch.Tensor) -> tuple[float, int]:
+    """Chi-square of integer ``values`` against ``pmf`` (over ``0, 1, ...``) on the bins
+    expecting at least 20, each tail pooled into one bin; with its degrees of freedom."""
+    n = values.numel()
+    kept = (pmf * n >= 20).nonzero().view(-1)
+    first, last = int(kept.min()), int(kept.max())
+    bins = values.long().clamp(first - 1, last + 1) - (first - 1)
+    counts = torch.bincount(bins, minlength=last - first + 3).double()
+    inner = pmf[first: last + 1]
+    expected = torch.cat([pmf[:first].sum().view(1), inner, (1 - pmf[: last + 1].sum()).clamp(min=0).view(1)]) * n
+    used = expected >= 20
+    return _chi2(counts[used], expected[used]), int(used.sum()) - 1
+
+
+def _critical(df: int) -> float:
+    """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 1% from 3 dof)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 9.9, 10.0, 37.5, 400.0])
+def test_poisson_frequencies(rate):
+    compile_rng.manual_seed(9)
+    with eager_stream():
+        k = torch.poisson(torch.full((N,), rate, dtype=torch.float64))
+    support = torch.arange(0, int(rate + 12 * math.sqrt(rate) + 20), dtype=torch.float64)
+    pmf = torch.exp(support * math.log(rate) - rate - torch.lgamma(support + 1))
+    chi2, df = _discrete_chi2(k, pmf)
+    assert chi2 < _critical(df)
+
+
+@pytest.mark.parametrize(("count", "prob"), [(10, 0.3), (40, 0.2), (1000, 0.05), (1000, 0.5), (200, 0.93)])
+def test_binomial_frequencies(count, prob):
+    compile_rng.manual_seed(10)
+    with eager_stream():
+        k = torch.binomial(torch.full((N,), float(count), dtype=torch.float64), torch.full((N,), prob, dtype=torch.float64))
+    support = torch.arange(0, count + 1, dtype=torch.float64)
+    log_pmf = (torch.lgamma(torch.tensor(count + 1.0, dtype=torch.float64)) - torch.lgamma(support + 1) - torch.lgamma(count - support + 1)
+               + support * math.log(prob) + (count - support) * math.log1p(-prob))
+    chi2, df = _discrete_chi2(k, log_pmf.exp())
+    assert chi2 < _critical(df)
+
+
+def test_dirichlet_moments():
+    alpha = torch.tensor([0.4, 1.0, 3.0], dtype=torch.float64)
+    compile_rng.manual_seed(11)
+    with eager_stream():
+        x = torch._sample_dirichlet(alpha.expand(N, 3).contiguous())
+    total = float(alpha.sum())
+    mean = alpha / total
+    var = alpha * (total - alpha) / (total**2 * (total + 1))
+    assert torch.allclose(x.sum(-1), torch.ones(N, dtype=torch.float64))
+    assert ((x.mean(0) - mean).abs() < 5 * (var / N).sqrt()).all()
+    assert ((x.var(0) - var).abs() < 0.05 * var).all()
+
+
+# --- the same rows whatever the split, eager and compiled -----------------------------
+
+SAMPLERS = {
+    "multinomial": lambda b: torch.multinomial(torch.arange(1.0, 6.0).expand(b, 5), 3),
+    "multinomial with replacement": lambda b: torch.multinomial(torch.arange(1.0, 6.0).expand(b, 5), 7, True),
+    "poisson": lambda b: torch.poisson(torch.tensor([0.5, 3.0, 12.0, 90.0]).expand(b, 4).contiguous()),
+    "binomial": lambda b: torch.binomial(torch.tensor([5.0, 60.0, 900.0]).expand(b, 3).contiguous(),
+                                         torch.tensor([0.4, 0.7, 0.2]).expand(b, 3).contiguous()),
+    "gamma": lambda b: torch._standard_gamma(torch.tensor([0.2, 1.5, 8.0]).expand(b, 3).contiguous()),
+    "dirichlet": lambda b: torch._sample_dirichlet(torch.tensor([0.2, 1.5, 8.0]).expand(b, 3).contiguous()),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_a_ranks_rows_are_the_one_process_rows(name):
+    """Data-parallel ranks holding 4, 2 or 1 of 8 rows draw the one process's rows."""
+    fn = SAMPLERS[name]
+    compile_rng.manual_seed(12)
+    with compile_rng.step(8):
+        whole = fn(8)
+    for world in (2, 4, 8):
+        local = 8 // world
+        parts = []
+        for rank in range(world):
+            compile_rng.manual_seed(12)
+            rows = list(range(rank * local, (rank + 1) * local))
+            with compile_rng.step(local, rows=rows, global_batch=8):
+                parts.append(fn(local))
+        assert torch.equal(torch.cat(parts), whole), world
+
+
+def test_randperm_in_a_step_is_a_replica():
+    """A permutation has no rows: every rank draws the one process's."""
+    perms = []
+    for rows in ({}, {"rows": [0, 1], "global_batch": 4}, {"rows": [2, 3], "global_batch": 4}):
+        compile_rng.manual_seed(13)
+        with compile_rng.step(len(rows.get("rows", range(4))), **rows):
+            perms.append(torch.randperm(4))
+    assert torch.equal(perms[0], perms[1]) and torch.equal(perms[0], perms[2])
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_compiled_samplers_draw_the_eager_values(inner):
+    def program(rates, probs, alpha):
+        return (
+            torch.poisson(rates), torch.multinomial(probs, 2), torch.multinomial(probs, 5, replacement=True),
+            torch._standard_gamma(alpha), torch._sample_dirichlet(alpha), torch.randperm(9),
+        )
+
+    args = (torch.tensor([[0.5, 20.0], [3.0, 200.0]]), torch.tensor([[1.0, 0.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]]),
+            torch.tensor([[0.3, 2.0, 5.0], [1.0, 1.0, 1.0]]))
+    compile_rng.manual_seed(14)
+    with eager_stream():
+        want = program(*args)
+    state = compile_rng.get_state()
+    torch._dynamo.reset()
+    compile_rng.manual_seed(14)
+    got = torch.compile(program, backend=compile_rng.backend(inner=inner))(*args)
+    assert compile_rng.get_state() == state
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
