@@ -234,33 +234,21 @@ def test_a_backward_device_thread_draws_at_the_callers_rows():
     variables: a recomputed dropout there must still draw at the step's rows (here the
     second half of a batch of 8, in a microbatch). Simulated on CPU: another thread handed
     this thread's state as the engine hands it."""
-    import threading
-
-    from compile_rng._torch.core_internals import set_thread_object, thread_object
-    from compile_rng.eager import random_kernels
+    from device_threads import on_a_device_thread
 
     x = torch.ones(2, 6)
     compile_rng.manual_seed(9)
-    there = []
-
-    def device_thread(handed):
-        set_thread_object(random_kernels._THREAD_KEY, handed)
-        there.append(F.dropout(x, 0.5))
-        set_thread_object(random_kernels._THREAD_KEY, None)
-
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8) as s:
         for _ in range(2):  # the second microbatch: rows 6 and 7
             with s.microbatch(2):
                 start = compile_rng.get_state()
                 here = F.dropout(x, 0.5)
                 compile_rng.set_state(*start)  # the recomputation draws at the forward's position
-                worker = threading.Thread(target=device_thread, args=(thread_object(random_kernels._THREAD_KEY),))
-                worker.start()
-                worker.join()
+                there = on_a_device_thread(lambda: F.dropout(x, 0.5))
     compile_rng.manual_seed(9)
     with compile_rng.step(8):
         whole = F.dropout(torch.ones(8, 6), 0.5)
-    assert torch.equal(here, whole[6:]) and torch.equal(there[-1], here)
+    assert torch.equal(here, whole[6:]) and torch.equal(there, here)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

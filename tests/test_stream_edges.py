@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import compile_rng
-from compile_rng._torch.core_internals import set_thread_object, thread_object
+from device_threads import on_a_device_thread
 from compile_rng.eager import random_kernels
 from compile_rng.eager.batches import open_step
 from compile_rng.stream import state
@@ -146,26 +146,15 @@ def test_a_dtensor_draw_on_a_device_thread_takes_the_callers_rows():
             mesh = DeviceMesh("cpu", [0, 1])
             x = local_zeros((4, 6), mesh, [Shard(1)]) + 1.0
             compile_rng.manual_seed(9)
-            there = []
-
-            def device_thread(handed, x=x, there=there):
-                set_thread_object(random_kernels._THREAD_KEY, handed)
-                try:
-                    there.append(F.dropout(x, 0.5).to_local())
-                finally:
-                    set_thread_object(random_kernels._THREAD_KEY, None)
-
             with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
                 start = compile_rng.get_state()
                 here = F.dropout(x, 0.5).to_local()
                 compile_rng.set_state(*start)  # the recomputation draws at the forward's position
-                worker = threading.Thread(target=device_thread, args=(thread_object(random_kernels._THREAD_KEY),))
-                worker.start()
-                worker.join()
+                there = on_a_device_thread(lambda x=x: F.dropout(x, 0.5).to_local())
             compile_rng.manual_seed(9)
             with compile_rng.step(8):
                 whole = F.dropout(local_zeros((8, 6), mesh, [Shard(1)]) + 1.0, 0.5).to_local()
-            assert torch.equal(there[0], here) and torch.equal(here, whole[4:])
+            assert torch.equal(there, here) and torch.equal(here, whole[4:])
 
 
 class _StandInGenerator:

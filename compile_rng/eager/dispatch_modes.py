@@ -275,7 +275,13 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     except RandomArgumentError as refused:
         raise _torch_refusal(func, kw, stock) or refused from None
     if form is not None and form.outs:
-        return _written(result, [kw[name] for name in form.outs])
+        outs = [kw[name] for name in form.outs]
+        values = result if isinstance(result, tuple) else (result,)
+        if any(out.dtype != value.dtype for out, value in zip(outs, values)):
+            refusal = _torch_refusal(func, kw, stock)  # torch decides which outputs take a cast
+            if refusal is not None:
+                raise refusal
+        return _written(result, outs)
     if "memory_format" in drawn_kw:
         return _like_layout(result, drawn_kw)
     return result

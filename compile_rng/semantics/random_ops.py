@@ -270,6 +270,8 @@ def _multinomial(call: RandomCall) -> Any:
     Without: ATen's own race, ``argtopk(p / q)`` with ``q`` exponential (counters over the
     weights, one per category), its samples in the order the race gives them."""
     probs, k = call.arg("input"), int(call.arg("num_samples"))
+    if isinstance(probs, torch.Tensor) and (probs.dim() not in (1, 2) or not probs.dtype.is_floating_point):
+        call.fail(f"weights of {probs.dim()} dims, {probs.dtype}", "pass floating-point weights of 1 or 2 dims")
     if k <= 0:
         call.fail(f"num_samples={k}", "sample at least one")
     _check_distribution(call, probs)
