@@ -32,6 +32,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==$(TRITON)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
+	# compile_rng's C++ random-op kernels for this torch, built now rather than at the
+	# first step (~20-40 s; without a C++ compiler this warns and the Python kernels serve)
+	$(PY) -c "from compile_rng.eager import native_kernels; native_kernels.load()"
 	touch $@
 
 # the demo compiles only what it shows (~1.5 min after set-up on 2 cores); `make parity`
@@ -91,6 +94,8 @@ bench: setup
 	$(PY) benchmarks/bench_init_first.py
 	$(PY) benchmarks/bench_init_ranks.py
 	$(PY) benchmarks/bench_train_step.py --layers 12
+	$(PY) benchmarks/bench_random_ops.py
+	$(PY) benchmarks/bench_samplers.py
 	$(PY) benchmarks/bench_gpu.py
 
 load: setup

@@ -38,10 +38,11 @@ two global module forward hooks (torch's public             ``step(names=...)`` 
 ``register_module_forward_pre_hook`` and                    random op by the module that runs it
 ``register_module_forward_hook``), at the first step        (:mod:`~compile_rng.eager.activation_names`)
 with ``names=``; outside one they return at once
-a ``torch.library`` kernel for each aten random op at       a step's random ops draw from the stream,
-each backend key torch has one at, over torch's kernel      and no other op pays a Python call
-(``get_kernel``), at the first step or eager stream         (:mod:`~compile_rng.eager.random_kernels`);
-(uninstalled: for the length of each one)
+a kernel for each aten random op at each backend key       a step's random ops draw from the stream,
+torch has one at, over torch's kernel (``get_kernel``):    and no other op pays a Python call;
+C++ that calls torch's outside streams, compile_rng's      outside streams no random op does either
+Python kernel inside one; at the first step or eager       (:mod:`~compile_rng.eager.random_kernels`,
+stream (again after ``uninstall()``)                       :mod:`~compile_rng.eager.native_kernels`)
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng._torch`'s homes.
@@ -79,7 +80,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from compile_rng import stream
 from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
-from compile_rng.eager import recomputation, trunc_normal
+from compile_rng.eager import native_kernels, recomputation, trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
 from compile_rng.stream import state
@@ -87,6 +88,7 @@ from compile_rng.stream import state
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
 _random_op_kernels: list = []  # the torch.library.Library of the random ops' kernels while registered
+_native: list = []  # the C++ kernels' module while they are registered
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
 #: (pyproject's ``torch>=2.11,<2.16``).
@@ -167,7 +169,7 @@ def uninstall() -> None:
         handle.remove()
     _module_hooks.clear()
     _unregister_random_kernels()
-    after_import("compile_rng.eager.random_kernels", _lend_random_kernels)
+    after_import("compile_rng.eager.random_kernels", _offer_random_kernels)  # a stream registers them again
     if "manual_seed" in _stock:
         torch.random.manual_seed = _stock["manual_seed"]
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
@@ -334,14 +336,9 @@ def _install_module_hooks(names: ModuleType) -> None:
 
 
 def _offer_random_kernels(kernels: ModuleType) -> None:
-    # A stream asks for the kernels (random_kernels.drawing): registered at the first,
-    # they stay until uninstall().
+    # A stream asks for the kernels (random_kernels.drawing): registered at the first
+    # (again after uninstall()), they stay until uninstall() - inert outside streams.
     kernels.set_installer(functools.partial(_installed_random_kernels, kernels))
-
-
-def _lend_random_kernels(kernels: ModuleType) -> None:
-    # Uninstalled, each stream registers the kernels for its own length.
-    kernels.set_installer(functools.partial(_lent_random_kernels, kernels))
 
 
 @contextlib.contextmanager
@@ -351,42 +348,36 @@ def _installed_random_kernels(kernels: ModuleType) -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def _lent_random_kernels(kernels: ModuleType) -> Iterator[None]:
-    # Uninstalled, compile_rng's functions stay usable: a stream registers the kernels
-    # for its own length (an enclosing stream may have already).
-    if _random_op_kernels:
-        yield
-        return
-    _register_random_kernels(kernels)
-    try:
-        yield
-    finally:
-        _unregister_random_kernels()
-
-
-_stock_random_kernels: list = []  # (op, key, torch's kernel), read once before any registration
-
-
 def _register_random_kernels(kernels: ModuleType) -> None:
-    if not _stock_random_kernels:
-        _stock_random_kernels.extend(
-            (op, key, torch.library.get_kernel(op, key))
-            for op in core_internals.random_op_overloads()
-            for key in core_internals.BACKEND_KEYS
-            if core_internals.has_backend_kernel(op, key)
-        )
+    # torch's kernels, read before any of compile_rng's is registered: fresh at every
+    # registration (a backend registered since the last one is served)
+    stocks: dict[Any, dict[str, Any]] = {}
+    for op in core_internals.random_op_overloads():
+        for key in core_internals.BACKEND_KEYS:
+            if core_internals.has_backend_kernel(op, key):
+                stocks.setdefault(op, {})[key] = torch.library.get_kernel(op, key)
+    native = native_kernels.load()
     library = torch.library.Library("aten", "IMPL")
+    _random_op_kernels.append(library)
     with warnings.catch_warnings():
         # torch warns once that a kernel is overridden: here that is the point, and the
         # kernel calls the one it overrides
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        for op, key, stock in _stock_random_kernels:
-            library.impl(op, kernels.kernel(op, stock), key, with_keyset=True)
-    _random_op_kernels.append(library)
+        for op, by_key in stocks.items():
+            python_kernel = kernels.kernel(op, {core_internals.dispatch_key(k): v for k, v in by_key.items()})
+            for key in [core_internals.PYTHON_KERNEL_KEY] if native is not None else by_key:
+                library.impl(op, python_kernel, key, with_keyset=True)
+    if native is not None:
+        _native.append(native)
+        for op, by_key in stocks.items():
+            name, _, overload = op.name().partition(".")
+            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY)
 
 
 def _unregister_random_kernels() -> None:
+    for native in _native:  # first: they call the Python kernels
+        native.clear()
+    _native.clear()
     for library in _random_op_kernels:
         core_internals.unregister_library(library)
     _random_op_kernels.clear()

@@ -12,6 +12,7 @@ op that torch's ``run_with_rng_state`` replays.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import pytest
@@ -23,6 +24,71 @@ from compile_rng._torch import core_internals
 from compile_rng.eager import dispatch_modes
 
 pytestmark = pytest.mark.torch_independent
+
+
+def _python_frames(fn) -> list[str]:
+    """Every Python function ``fn()`` calls (``fn`` itself left out)."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[1:]
+
+
+OUTSIDE = {
+    "rand": lambda x: torch.rand(4, 4), "randn": lambda x: torch.randn(4, 4),
+    "randint": lambda x: torch.randint(0, 7, (4,)), "randperm": lambda x: torch.randperm(16),
+    "uniform_": lambda x: x.uniform_(), "normal_": lambda x: x.normal_(), "bernoulli_": lambda x: x.bernoulli_(0.5),
+    "native_dropout": lambda x: torch.native_dropout(x, 0.5, True), "multinomial": lambda x: torch.multinomial(x.abs() + 1, 2),
+    "poisson": lambda x: torch.poisson(x.abs()),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OUTSIDE))
+def test_outside_a_stream_a_random_op_calls_no_python_after_a_step(op):
+    """The kernels stay registered after a step, but outside every stream each calls torch's
+    kernel in C++: no Python frame (before, every random op in the process entered a Python
+    kernel and held the GIL for its whole run)."""
+    with compile_rng.step(4):
+        F.dropout(torch.ones(4, 4), 0.5)
+    x = torch.ones(4, 4)
+    assert _registered()
+    assert _python_frames(functools.partial(OUTSIDE[op], x)) == []
+
+
+def test_a_background_draw_outside_a_stream_leaves_the_gil_to_other_threads():
+    """A random op outside any stream releases the GIL as stock torch does: a background
+    thread's large draw does not stall the main thread (a Python kernel held the GIL for
+    the draw's whole run: 1.2 s of stall for a randn(2**25) before)."""
+    import threading
+    import time
+
+    with compile_rng.step(4):
+        F.dropout(torch.ones(4, 4), 0.5)
+    done = threading.Event()
+
+    def background():
+        torch.randn(2**24)
+        done.set()
+
+    worker = threading.Thread(target=background)
+    ticks, longest = 0, 0.0
+    start = last = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last, ticks = max(longest, now - last), now, ticks + 1
+    worker.join()
+    total = time.perf_counter() - start
+    # the main thread kept running beside the draw: never held up for most of it
+    assert ticks > 100 and longest < total / 2, (ticks, longest, total)
 
 
 def _compile_rng_frames(fn) -> list[str]:
@@ -114,8 +180,8 @@ def _registered() -> bool:
 
 def test_a_step_draws_the_stream_installed_uninstalled_and_reinstalled():
     """The values a step draws come from compile_rng's stream (the same seed, the same
-    masks) installed, uninstalled (the kernels are registered for the step's length only)
-    and installed again."""
+    masks) installed, uninstalled (a step registers the kernels again, once: they stay,
+    calling no Python outside streams, until the next ``uninstall()``) and installed again."""
     x = torch.ones(8, 4)
 
     def masks():
@@ -127,7 +193,10 @@ def test_a_step_draws_the_stream_installed_uninstalled_and_reinstalled():
     before = masks()
     compile_rng.uninstall()
     try:
+        assert not _registered()
         uninstalled = masks()
+        assert _python_frames(lambda: torch.rand(4)) == []
+        compile_rng.uninstall()
         assert not _registered()
     finally:
         compile_rng.install()
@@ -293,3 +362,33 @@ def test_a_cpu_generator_state_set_back_sets_the_stream_back():
     moved = compile_rng.get_state()
     torch.set_rng_state(saved.clone())
     assert compile_rng.get_state() == moved
+
+
+def test_without_a_cpp_compiler_the_python_kernels_serve(monkeypatch, tmp_path):
+    """Where the C++ kernels cannot be built, one warning says what it costs, the Python
+    kernels sit at the backend keys themselves, and a step draws the same values."""
+    from compile_rng.eager import native_kernels
+
+    x = torch.ones(8, 4)
+    compile_rng.set_state(5, 0)
+    with compile_rng.step(8):
+        native = F.dropout(x, 0.5), torch.randperm(6)
+    compile_rng.uninstall()
+    monkeypatch.setenv("COMPILE_RNG_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_kernels, "_compiler", lambda: None)
+    native_kernels.load.cache_clear()
+    try:
+        compile_rng.set_state(5, 0)
+        with pytest.warns(RuntimeWarning, match=r"could not build its C\+\+ random-op kernels .no C\+\+ compiler"):
+            with compile_rng.step(8):
+                fallback = F.dropout(x, 0.5), torch.randperm(6)
+        cpu = [line for line in torch._C._dispatch_dump_table("aten::bernoulli_.float").splitlines()
+               if line.startswith("CPU:")]
+        assert "compile_rng/installation.py" in cpu[0], cpu  # a Python registration, not the C++ one
+        assert _compile_rng_frames(lambda: torch.rand(3)) != []  # the price: Python outside streams too
+    finally:
+        compile_rng.uninstall()
+        monkeypatch.undo()
+        native_kernels.load.cache_clear()
+        compile_rng.install()
+    assert all(torch.equal(a, b) for a, b in zip(native, fallback))

@@ -59,6 +59,11 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "tree_map",
     "trunc_normal_redraws",
     "has_backend_kernel",
+    "PYTHON_KERNEL_KEY",
+    "backend_key",
+    "cxx11_abi",
+    "dispatch_key",
+    "schema_default",
 ]
 
 
@@ -193,6 +198,32 @@ def random_op_overloads() -> list[OpOverload]:
         if isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
             found.append(op)
     return found
+
+
+#: The dispatch key compile_rng's Python random-op kernels are registered at under the C++
+#: ones (:mod:`compile_rng.eager.native_kernels`), which call them by it: torch's
+#: ``CustomRNGKeyId``, which no tensor carries and no thread's state includes, so no
+#: dispatch reaches it.
+PYTHON_KERNEL_KEY = "CustomRNGKeyId"
+
+
+def backend_key(keyset: Any) -> Any:
+    """The backend key a kernel registered ``with_keyset`` was called for
+    (``DispatchKeySet.highestPriorityTypeId``; 2.11.0-2.15.0)."""
+    return keyset.highestPriorityTypeId()
+
+
+def cxx11_abi() -> bool:
+    """Whether torch was built with the C++11 ABI, which compile_rng's C++ kernels must
+    match (``torch._C._GLIBCXX_USE_CXX11_ABI``; 2.11.0-2.15.0). Their source
+    (``compile_rng/eager/csrc/random_op_kernels.cpp``) uses torch's C++ API, two private
+    parts of it named there."""
+    return bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def dispatch_key(name: str) -> Any:
+    """The ``torch._C.DispatchKey`` called ``name``."""
+    return getattr(torch._C.DispatchKey, name)
 
 
 def has_backend_kernel(op: OpOverload, key: str) -> bool:

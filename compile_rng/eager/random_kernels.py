@@ -5,10 +5,14 @@ call, :func:`~compile_rng.eager.dispatch_modes.eager_stream`) every aten random 
 plain tensor must draw compile_rng's values, and every other op must run as in stock
 torch, at its speed. A dispatch mode sees every op (a Python call each: +2.6 us per op
 on a Zen 4 core, before any work); instead each random overload (the
-``nondeterministic_seeded`` tag) gets a Python kernel at each backend key where torch
-has one - torch.library's own pattern: ``get_kernel``, then ``impl`` over it. The kernel
-calls the *handler* of the stream the thread is in, and torch's kernel, with the same
-dispatch keys, where there is none. Every other op never reaches Python.
+``nondeterministic_seeded`` tag) gets a kernel at each backend key where torch has one,
+wrapping torch's. Outside every stream that kernel calls torch's at once, in C++
+(:mod:`compile_rng.eager.native_kernels`): no Python frame, and the GIL stays released as
+the op's binding released it. Inside a stream it calls the Python kernel here (:func:`kernel`,
+registered at a dispatch key no dispatch reaches), which calls the *handler* of the
+stream the thread is in. Every other op never reaches compile_rng. (Where no C++
+compiler is found, the Python kernels sit at the backend keys themselves: every random op
+then enters Python once a stream has run.)
 
 Why the backend keys: they sit below autograd, where a dispatch mode sits, so autograd
 records torch's own backward (dropout's mask multiply) around compile_rng's values, and
@@ -19,11 +23,10 @@ the Meta kernels, which stay torch's. CompositeImplicitAutograd ops (``dropout``
 The handler lives in the thread's dispatcher state, which the autograd engine hands to
 its device threads: a CUDA backward's recomputation (activation checkpointing) draws
 from the stream as its forward did, with a copy of the caller's context variables (the
-step's rows and names, which a device thread does not have). The kernels are
-registered at the first stream (``compile_rng.installation`` makes the change, through
-:func:`set_installer`) and stay until ``compile_rng.uninstall()`` (uninstalled, a stream
-registers them for its own length); outside a stream a random op pays one Python call on
-its way to torch's kernel.
+step's rows and names, which a device thread does not have). The kernels are registered
+at the first stream (``compile_rng.installation`` makes the change, through
+:func:`set_installer`; torch's kernels are read then, so a backend registered before it
+is served) and stay until ``compile_rng.uninstall()``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from compile_rng._torch.core_internals import OpOverload, set_thread_object, thread_object
+from compile_rng._torch.core_internals import OpOverload, backend_key, set_thread_object, thread_object
 from compile_rng._torch.dynamo_internals import disable_dynamo, never_traced
 
 #: ``handler(op, args, kwargs, stock)``: what a stream does with random op ``op``
@@ -73,15 +76,17 @@ def set_installer(installer: Callable[[], AbstractContextManager[None]]) -> None
     _installer = installer
 
 
-def kernel(op: OpOverload, stock: Any) -> Callable[..., Any]:
-    """The kernel registered for ``op`` over torch's ``stock`` kernel (a
-    ``torch.library.get_kernel`` result), to be registered ``with_keyset``."""
+def kernel(op: OpOverload, stocks: dict[Any, Any]) -> Callable[..., Any]:
+    """The Python kernel for ``op``, to be registered ``with_keyset``: the stream's handler,
+    over torch's kernel for the call's backend key (``stocks``: backend key -> torch's
+    kernel, ``torch.library.get_kernel`` results read before any registration)."""
 
     def random_op_kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        stock = functools.partial(stocks[backend_key(keyset)].call_boxed, keyset)
         drawing = thread_object(_THREAD_KEY)
         if drawing is None:
-            return stock.call_boxed(keyset, *args, **kwargs)
-        return _handled(drawing, op, args, kwargs, lambda *a, **k: stock.call_boxed(keyset, *a, **k))
+            return stock(*args, **kwargs)
+        return _handled(drawing, op, args, kwargs, stock)
 
     # Dynamo's frame hook would compile the kernel's frame where a compiled function's
     # eager code (between graphs) calls a random op: the kernel's own frame is never

@@ -1,0 +1,125 @@
+"""A random op's cost outside and inside a stream, against a process that never imported
+compile_rng, in one run.
+
+Each column runs in a fresh process: ``stock`` never imports compile_rng; ``after a step``
+imports it and runs one ``compile_rng.step`` first (its random-op kernels are registered
+then, and stay); ``after uninstall`` runs a step, then ``compile_rng.uninstall()``; ``in a
+step`` times the op inside a step (at the step's rows: shapes with the batch as dim 0).
+For each small op, microseconds per call (the best of ``--rounds`` timed loops); then how
+long a background thread's ``torch.randn(2**25)`` stalls the main thread in each process
+(the longest gap between the main thread's loop iterations while it runs), and the time of
+``uninstall()`` plus an empty step, then of an empty step after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, threading, time
+import torch
+mode, reps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+x, y = torch.ones(4, 4), torch.ones(4, 4)
+OPS = {
+    "rand(4, 4)": lambda: torch.rand(4, 4), "randn(4, 4)": lambda: torch.randn(4, 4),
+    "randint(0, 9, (4,))": lambda: torch.randint(0, 9, (4,)), "randperm(16)": lambda: torch.randperm(16),
+    "uniform_ 4x4": lambda: x.uniform_(), "bernoulli_ 4x4": lambda: y.bernoulli_(0.5),
+    "dropout 4x4": lambda: torch.nn.functional.dropout(x, 0.5),
+}
+out = {"ops": {}}
+step = None
+if mode != "stock":
+    import compile_rng
+    with compile_rng.step(4):
+        torch.nn.functional.dropout(x, 0.5)
+    if mode == "after uninstall":
+        start = time.perf_counter()
+        compile_rng.uninstall()
+        with compile_rng.step(4):
+            pass
+        out["uninstall and an empty step (ms)"] = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        with compile_rng.step(4):
+            pass
+        out["the next empty step (ms)"] = (time.perf_counter() - start) * 1e3
+    if mode == "in a step":
+        step = compile_rng.step(4)
+        step.__enter__()
+
+def timed(fn):
+    best = float("inf")
+    for _ in range(rounds):
+        for _ in range(200):
+            fn()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps * 1e6)
+    return best
+
+for name, fn in OPS.items():
+    if mode == "in a step" and name == "randperm(16)":
+        continue
+    out["ops"][name] = timed(fn)
+if step is not None:
+    step.__exit__(None, None, None)
+else:
+    done = threading.Event()
+    def background():
+        torch.randn(2**25)
+        done.set()
+    worker = threading.Thread(target=background)
+    longest = 0.0
+    start = last = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    out["background randn(2**25): main thread stalled (ms)"] = longest * 1e3
+    out["background randn(2**25): its time (ms)"] = (time.perf_counter() - start) * 1e3
+print(json.dumps(out))
+"""
+
+MODES = ("stock", "after a step", "after uninstall", "in a step")
+
+
+def measure(mode: str, reps: int, rounds: int) -> dict:
+    run = subprocess.run([sys.executable, "-c", CHILD, mode, str(reps), str(rounds)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+    import torch
+
+    results = {mode: measure(mode, args.reps, args.rounds) for mode in MODES}
+    stock = results["stock"]["ops"]
+    print(f"random ops, us per call (best of {args.rounds} loops of {args.reps}), torch {torch.__version__}, "
+          "1 process per column")
+    print(f"  {'op':<22}" + "".join(f"{m:>17}" for m in MODES) + f"{'step - stock':>15}")
+    for op, base in stock.items():
+        cells = [results[m]["ops"].get(op) for m in MODES]
+        step = results["after a step"]["ops"][op]
+        print(f"  {op:<22}" + "".join(f"{c:>17.2f}" if c is not None else f"{'-':>17}" for c in cells)
+              + f"{step - base:>+15.2f}")
+    for key in ("background randn(2**25): main thread stalled (ms)", "background randn(2**25): its time (ms)"):
+        print(f"  {key:<52}" + "".join(f"{results[m][key]:>10.1f}" for m in MODES[:3]))
+    after = results["after uninstall"]
+    print(f"  uninstall() and an empty step: {after['uninstall and an empty step (ms)']:.1f} ms; "
+          f"the next empty step: {after['the next empty step (ms)']:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""compile_rng's random-op kernels in C++ (``csrc/random_op_kernels.cpp``), built at first use.
+
+A kernel in C++ at each backend key of each random op calls torch's own kernel when the
+thread is in no stream - no Python frame, the GIL left released - and compile_rng's
+Python kernel inside one (:mod:`compile_rng.eager.random_kernels`). It is compiled with the
+system's C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) against the installed
+torch's headers and libraries, once per torch build and source, and cached beside the C
+kernels (``$COMPILE_RNG_CACHE``, default ``~/.cache/compile_rng``; ``make setup`` builds it
+ahead). Where it cannot be built, :func:`load` returns None after one warning, and the
+Python kernels sit at the backend keys themselves, as before.
+
+The C++ source uses two private torch C++ APIs, named in its header with the releases
+checked (``at::impl::ThreadLocalPythonObjects``,
+``OperatorHandle::getComputedKernelForDispatchKey``); the ABI to build with is read through
+:func:`compile_rng._torch.core_internals.cxx11_abi`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from compile_rng._torch.core_internals import cxx11_abi
+
+SOURCE = Path(__file__).with_name("csrc") / "random_op_kernels.cpp"
+_LIBRARIES = ("c10", "torch", "torch_cpu", "torch_python")
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _command(cxx: str, name: str, output: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    libraries = cpp_extension.library_paths()
+    return [
+        cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi())}", f"-DCOMPILE_RNG_MODULE={name}",
+        *(f"-I{path}" for path in includes), str(SOURCE), "-o", output,
+        *(f"-L{path}" for path in libraries), *(f"-l{lib}" for lib in _LIBRARIES),
+        *(f"-Wl,-rpath,{path}" for path in libraries),
+    ]
+
+
+def _cache() -> Path:
+    cache = Path(os.environ.get("COMPILE_RNG_CACHE", Path.home() / ".cache" / "compile_rng"))
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """One build at a time on this machine (test workers and ranks start together)."""
+    with open(cache / "random_op_kernels.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build() -> tuple[str, Path]:
+    """``(module name, shared object)`` of the kernels for this torch, compiled if not
+    cached. Raises RuntimeError (with the compiler's output) where it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    identity = b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
+                           cxx.encode(), sys.version.encode()])
+    name = f"compile_rng_random_op_kernels_{hashlib.sha256(identity).hexdigest()[:16]}"
+    cache = _cache()
+    target = cache / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if target.exists():
+        return name, target
+    with _locked(cache):
+        if target.exists():  # another process built it while this one waited
+            return name, target
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+        os.close(fd)
+        result = subprocess.run(_command(cxx, name, tmp), capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {SOURCE} with {cxx} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, target)
+    return name, target
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The built module (``serve``, ``clear``), or None - with one warning saying what
+    that costs - where it cannot be built or loaded."""
+    try:
+        name, path = build()
+        spec = importlib.util.spec_from_loader(name, importlib.machinery.ExtensionFileLoader(name, str(path)))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError, RuntimeError) as error:
+        warnings.warn(
+            f"compile_rng could not build its C++ random-op kernels ({str(error).splitlines()[0]}); it uses "
+            "Python kernels instead: once a stream has run in this process, every random op enters Python "
+            "(~1-2 us more per op) and holds the GIL for its whole run. Install a C++ compiler (g++) to avoid it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
