@@ -21,7 +21,8 @@ reads them through these homes, with two kinds of exception, listed here for
 
 * :data:`TEMPORARY_PATCHES`, which live in the homes beside what they patch, each named
   in its home's docstring: two cache patches that last only for the backend's own
-  compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), a DTensor dispatch
+  compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), ``torch.compile``'s
+  default backend for a block (``compiles_with``: ``compile_rng.library_compiles``), a DTensor dispatch
   patch that lasts for a block (``dtensor_operands_kept``), which traced code below the
   installer uses, and one on pipeline stages that lasts for a step
   (``pipeline_chunks_wrapped``);
@@ -35,6 +36,7 @@ reads them through these homes, with two kinds of exception, listed here for
 #: a DTensor dispatch, or a step's pipeline stages). Every other change to torch is made by compile_rng.installation.
 TEMPORARY_PATCHES: tuple[tuple[str, str], ...] = (
     ("dynamo_internals", "autograd_cache_keys"),
+    ("dynamo_internals", "compiles_with"),
     ("inductor_internals", "rank_free_mesh_cache_keys"),
     ("dtensor_internals", "dtensor_operands_kept"),
     ("distributed_internals", "pipeline_chunks_wrapped"),

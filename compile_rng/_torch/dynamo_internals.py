@@ -3,8 +3,8 @@ partitioner, the graphs' input sources, compile ids and graph breaks, the frames
 compiled graph runs from, and Dynamo's undocumented fields
 (:data:`UNDOCUMENTED_FIELDS`).
 
-One temporary patch lives here, beside what it patches, lasting only for the backend's
-own compile: :func:`autograd_cache_keys`. Dynamo and AOTAutograd are imported inside the
+Two temporary patches live here, beside what they patch: :func:`autograd_cache_keys`,
+lasting only for the backend's own compile, and :func:`compiles_with`, for a block. Dynamo and AOTAutograd are imported inside the
 functions: importing compile_rng stays light.
 """
 
@@ -183,6 +183,28 @@ def autograd_cache_keys(context: str) -> Iterator[list[str]]:
         yield keys
     finally:
         module.autograd_cache_key = found
+
+
+@contextlib.contextmanager
+def compiles_with(backend: Any) -> Iterator[None]:
+    """``torch.compile`` calls made inside the block with torch's default backend (a
+    library's own compile of its step) compile with ``backend`` instead; every other
+    argument is passed on. A temporary patch of ``torch.compile`` (a public attribute,
+    looked up at call time by callers such as torchao's optimizers; 2.11.0-2.15.0) for the
+    block, on every thread; torch's again at exit."""
+    stock = torch.compile
+
+    @functools.wraps(stock)
+    def compile_with_backend(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("backend", "inductor") == "inductor":
+            kwargs["backend"] = backend
+        return stock(*args, **kwargs)
+
+    torch.compile = compile_with_backend
+    try:
+        yield
+    finally:
+        torch.compile = stock
 
 
 def aot_autograd(**kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ from torch import nn
 
 from compile_rng._torch.dynamo_internals import compile_failures
 from compile_rng.compiled.backend import backend
-from compile_rng.eager import dispatch_modes
+from compile_rng.eager import dispatch_modes, layout_blocks
 from compile_rng.eager.fqn_streams import fqn_streams, modules_in
 from compile_rng.semantics import layouts
 from compile_rng.stream import state
@@ -119,7 +119,7 @@ class _Init:
         return not self.eager_without_model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with layouts.layout(self.layout), torch.no_grad(), _stream_seed(self.seed if self.streams is None else None):
+        with layout_blocks.layout(self.layout), torch.no_grad(), _stream_seed(self.seed if self.streams is None else None):
             if self.uses_graph(*args, **kwargs):
                 before = state.snapshot()
                 try:

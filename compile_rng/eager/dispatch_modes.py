@@ -653,6 +653,22 @@ def _leave_the_stream_in_a_child() -> None:
 os.register_at_fork(after_in_child=_leave_the_stream_in_a_child)
 
 
+def _foreign_graphs_refused(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
+    # a layout block's guard: torch's random ops as they are, but not a graph compiled by
+    # another backend, whose draws the block's layout would not reach
+    kw = normalized_arguments(func, args, kwargs)
+    if foreign_seed_draw(func, kw):
+        raise unsupported(func, kw)
+    return stock(*args, **kwargs)
+
+
+def foreign_graphs_refused() -> contextlib.AbstractContextManager[None]:
+    """Outside a stream, random ops in the block run as in torch, but a graph compiled by
+    another backend (stock Inductor) that draws is refused, naming the fix: its draws
+    would be torch's per-rank values, not a compile_rng layout's."""
+    return random_kernels.guarded(_foreign_graphs_refused)
+
+
 def in_stream() -> bool:
     """Whether eager random ops on plain tensors here draw from compile_rng's stream."""
     return random_kernels.active() is not None or any(isinstance(m, RandomOpMode) for m in dispatch_mode_stack())

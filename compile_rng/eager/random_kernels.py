@@ -63,6 +63,7 @@ class _Drawing:
     handler: Handler
     thread: int | None
     context: contextvars.Context
+    stream: bool = True  # False: a guard (a layout block's), which is no stream
 
 
 _open_lock = threading.Lock()
@@ -108,16 +109,33 @@ def _handled(drawing: _Drawing, op: OpOverload, args: tuple, kwargs: dict, stock
 
 
 def active() -> Handler | None:
-    """The handler random ops on this thread go to, if any."""
+    """The handler of the stream random ops on this thread draw from, if any."""
     drawing = thread_object(_THREAD_KEY)
-    return drawing.handler if drawing is not None else None
+    return drawing.handler if drawing is not None and drawing.stream else None
+
+
+@contextlib.contextmanager
+def guarded(guard: Handler) -> Iterator[None]:
+    """Outside every stream, random ops in the block go to ``guard`` (which runs
+    ``stock`` for what it lets through); inside a stream the stream's handler stays."""
+    if thread_object(_THREAD_KEY) is not None:
+        yield
+        return
+    if _installer is None:
+        raise RuntimeError("compile_rng internal error: the random ops' kernels were never offered")
+    with _installer():
+        set_thread_object(_THREAD_KEY, _Drawing(guard, threading.get_ident(), contextvars.copy_context(), stream=False))
+        try:
+            yield
+        finally:
+            set_thread_object(_THREAD_KEY, None)
 
 
 def stream_here() -> tuple[Handler, contextvars.Context] | None:
     """The stream random ops here draw from - its handler and a copy of the context its
     draws run in - or None outside every stream (what a recomputation must draw from)."""
     held = thread_object(_THREAD_KEY)
-    if held is None:
+    if held is None or not held.stream:
         return None
     return held.handler, (contextvars.copy_context() if held.thread == threading.get_ident() else held.context)
 
@@ -128,7 +146,7 @@ def stream_context() -> contextvars.Context | None:
     Code that reads the stream's context variables for a draw (DTensor's tracker) runs in
     a copy of it."""
     held = thread_object(_THREAD_KEY)
-    return None if held is None or held.thread == threading.get_ident() else held.context
+    return None if held is None or not held.stream or held.thread == threading.get_ident() else held.context
 
 
 def open_streams() -> int:

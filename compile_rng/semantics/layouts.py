@@ -44,10 +44,9 @@ def layout(name: str) -> Iterator[None]:
         _eager_layout.reset(token)
 
 
-def mode(name: str) -> contextlib.AbstractContextManager[None]:
-    """Deprecated spelling of :func:`layout`."""
-    _deprecated("compile_rng.mode(...)", "compile_rng.layout(...)", stacklevel=3)
-    return layout(name)
+def warn_renamed(old: str, new: str, stacklevel: int) -> None:
+    """Warn that ``old`` is the deprecated spelling of ``new``."""
+    _deprecated(old, new, stacklevel + 1)
 
 
 def _deprecated(old: str, new: str, stacklevel: int) -> None:

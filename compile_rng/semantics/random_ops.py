@@ -504,9 +504,11 @@ def unsupported(op: OpOverload, kw: dict | None = None) -> NotImplementedError:
     if kw is not None and foreign_seed_draw(op, kw):
         return NotImplementedError(
             f"compile_rng: a graph compiled by another backend (stock Inductor: {op} over the whole int64 "
-            "range is its seed draw) ran inside compile_rng.step or compile_rng.compile: its random ops would "
-            "draw from torch's generator, not from compile_rng's stream. Compile it with "
-            "torch.compile(..., backend='compile_rng') or compile_rng.compile(...), or run it outside the step"
+            "range is its seed draw) ran inside a compile_rng stream or layout block (compile_rng.step, "
+            "compile_rng.compile, @compile_rng.init, compile_rng.layout): its random ops would draw torch's "
+            "per-rank values, not compile_rng's. Compile it with torch.compile(..., backend='compile_rng') or "
+            "compile_rng.compile(...); a library's own torch.compile calls (torchao's optimizers) inside "
+            "`with compile_rng.library_compiles(layout=...)`; or run it outside the block"
         )
     why, fix = _FIXES.get(op_name(op), _DEFAULT_FIX)
     return NotImplementedError(f"compile_rng: random op {op}: {why}; {fix}")
