@@ -50,12 +50,15 @@ def _compiler() -> str | None:
 
 
 def _command(cxx: str, name: str, output: str) -> list[str]:
-    from torch.utils import cpp_extension
-
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    libraries = cpp_extension.library_paths()
+    # torch's headers and libraries where its wheel puts them (what
+    # torch.utils.cpp_extension's include_paths/library_paths give for a CPU extension,
+    # without its CUDA probing, which warns on a CUDA build of torch with no CUDA runtime)
+    root = Path(torch.__file__).resolve().parent
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include",
+                sysconfig.get_paths()["include"]]
+    libraries = [root / "lib"]
     return [
-        cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
+        cxx, "-O2", "-shared", "-fPIC", "-std=c++20", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi())}", f"-DCOMPILE_RNG_MODULE={name}",
         *(f"-I{path}" for path in includes), str(SOURCE), "-o", output,
         *(f"-L{path}" for path in libraries), *(f"-l{lib}" for lib in _LIBRARIES),
