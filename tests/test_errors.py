@@ -106,27 +106,28 @@ def test_a_stock_inductor_graph_in_a_step_is_named():
 def test_collective_device_follows_the_backend(monkeypatch, backend, device):
     import torch.distributed as dist
 
-    from compile_rng.semantics import verify
+    from compile_rng.stream import agreement
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
-    assert verify.collective_device() == torch.device(device)
+    assert agreement.collective_device() == torch.device(device)
 
 
 def test_the_step_and_verify_build_their_collectives_on_an_nccl_groups_device(monkeypatch):
     """On a group whose backend says NCCL, every collective tensor compile_rng builds is on
-    the device :func:`~compile_rng.semantics.verify.collective_device` chooses for the
+    the device :func:`~compile_rng.stream.agreement.collective_device` chooses for the
     group: CUDA. ``meta`` stands in for the chosen device, so the tensors can be built on
     any machine; each collective records its tensors' devices and stops the call there."""
     import torch.distributed as dist
     from dtensor_reference import fake_rank
 
     from compile_rng.semantics import verify
+    from compile_rng.stream import agreement
 
     class Reached(Exception):
         pass
 
     chosen, built = [], []
-    choose = verify.collective_device
+    choose = agreement.collective_device
 
     def stand_in(group=None):
         chosen.append(choose(group))
@@ -142,7 +143,7 @@ def test_the_step_and_verify_build_their_collectives_on_an_nccl_groups_device(mo
 
     with fake_rank(0, 2), monkeypatch.context() as m:
         m.setattr(dist, "get_backend", lambda group=None: "nccl")
-        m.setattr(verify, "collective_device", stand_in)
+        m.setattr(agreement, "collective_device", stand_in)
         m.setattr(dist, "all_gather_object", gather_objects)
         m.setattr(dist, "all_gather", collective)
         m.setattr(dist, "all_reduce", collective)

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from compile_rng.eager import activation_names, dispatch_modes, random_kernels
-from compile_rng.semantics import verify
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
 from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, reset_step_batch_dim, rows_at, set_rows, set_step_batch_dim
-from compile_rng.stream import state
+from compile_rng.stream import agreement, state
 
 
 def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
@@ -50,7 +49,7 @@ def _group_coordinate(data_parallel: Any) -> tuple[Any, int, int, torch.device]:
             )
         device = torch.device(data_parallel.device_type)
         return data_parallel.get_group(), data_parallel.get_local_rank(), data_parallel.size(), device
-    device = verify.collective_device(data_parallel)
+    device = agreement.collective_device(data_parallel)
     return data_parallel, dist.get_rank(data_parallel), dist.get_world_size(data_parallel), device
 
 
@@ -138,7 +137,7 @@ def _rank_rows(local_batch: int, data_parallel: Any, global_batch: int | None, o
                 )
         return Rows(coord, local_batch, total, size)
     # explicit positions: every rank's, to check that they cover the batch once
-    everyone = verify.gather_int_lists(positions, group, device, [sizes[c] for c in range(size)])
+    everyone = agreement.gather_int_lists(positions, group, device, [sizes[c] for c in range(size)])
     _check_cover([p for held in everyone for p in held], total)
     return rows_at(positions, total)
 
@@ -322,7 +321,7 @@ def _check_ranks_agree(start: dict[str, tuple[int, int]]) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     kinds = sorted(start)
-    verify.require_agreement(
+    agreement.require_agreement(
         [dist.group.WORLD], tuple(v for kind in kinds for v in start[kind]),
         tuple(f"{kind} {field}" for kind in kinds for field in ("seed", "offset")),
         "compile_rng.step(names=...): the ranks begin the step at different stream positions",

@@ -36,7 +36,7 @@ from typing import Any
 
 from compile_rng.eager.batches import open_step
 from compile_rng.integrations import accelerate_rows
-from compile_rng.semantics import verify
+from compile_rng.stream import agreement
 from compile_rng.stream.checkpointing import StreamState
 
 
@@ -88,7 +88,7 @@ def _check_ranks_batch(group: Any, rows: int) -> None:
     """Every rank's batches must hold ``rows`` rows, as this rank's do (checked once per
     loader: a batch that differs from its loader's first is refused where it comes), for
     the steps' rows to be known without communicating."""
-    verify.require_agreement(
+    agreement.require_agreement(
         [group] if group is not None else [], (rows,), ("rows per batch",),
         "compile_rng.accelerate_batches: the ranks' loaders deal batches of different sizes",
         "Give every rank's loader the same batch size (accelerate's prepare does)",

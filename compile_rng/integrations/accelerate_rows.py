@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from compile_rng.semantics import verify
+from compile_rng.stream import agreement
 
 
 def rows_of(batch: Any) -> int:
@@ -131,4 +131,4 @@ def gather_sizes(mine: Sequence[int], device: torch.device, length: int) -> list
     padded = [*mine, *[0] * (length - len(mine))]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [padded]
-    return verify.gather_int_lists(padded, dist.group.WORLD, device, [length] * dist.get_world_size())
+    return agreement.gather_int_lists(padded, dist.group.WORLD, device, [length] * dist.get_world_size())

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from compile_rng.stream import STREAM_VERSION, state
+from compile_rng.stream import STREAM_VERSION, agreement, state
 
 VERSION = 1  # of the saved dict's layout
 
@@ -160,16 +160,22 @@ def load_from_folder(folder: str, rank: int, world: int, who: str) -> None:
 
 
 def _require_ranks_agree(mine: dict[str, Any], when: str, advice: str) -> None:
+    """Raise on every rank unless all hold the streams ``mine`` (a :func:`state_dict`):
+    each stream's seed and offset, and the declared run position, agreed in one gather."""
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != mine]
-    if differ:
-        raise RuntimeError(
-            f"compile_rng.StreamState: rank {dist.get_rank()} {when} the streams {mine['streams']}, and ranks "
-            f"{differ} other ones; {advice}"
-        )
+    fields, values = [], []
+    for kind in sorted(mine["streams"]):
+        for name in ("seed", "offset"):
+            fields.append(f"{kind} {name}")
+            values.append(mine["streams"][kind][name])
+    run = mine.get("run")
+    fields += ["run seed declared", "run seed", "run offset"]
+    values += [int(run is not None), run["seed"] if run else 0, run["offset"] if run else 0]
+    agreement.require_agreement(
+        [dist.group.WORLD], tuple(values), tuple(fields),
+        f"compile_rng.StreamState: the ranks {when} different streams", advice,
+    )
 
 
 def _rank() -> int | None:
