@@ -3,7 +3,7 @@
 //
 // Each kernel wraps torch's own kernel for its (op, backend key). Outside every stream it
 // calls that kernel at once: no Python, and the GIL stays released as the op's binding
-// released it. Inside a stream - the thread's state holds compile_rng's handler, which the
+// released it (torch 2.11/2.12: taken for a moment to read the thread's cell, below). Inside a stream - the thread's state holds compile_rng's handler, which the
 // autograd engine hands its device threads too - it calls compile_rng's Python kernel for
 // the op (registered at a dispatch key no dispatch reaches), which draws from the stream.
 //
@@ -27,13 +27,33 @@ namespace {
 // The key of compile_rng's handler in the thread state (compile_rng.eager.random_kernels).
 const std::string kHandlerKey = "compile_rng_random_op_handler";
 
+// Whether the thread is in a stream. torch 2.13+ removes the key outside streams: no GIL.
+// torch 2.11 and 2.12 cannot remove a key, so there the thread keeps one cell (an object
+// with a `value` slot, compile_rng._torch.core_internals._Cell) whose value is None outside
+// a stream: reading it takes the GIL for that moment, never for the draw.
+bool in_stream() {
+  if (!at::impl::ThreadLocalPythonObjects::contains(kHandlerKey)) {
+    return false;
+  }
+  const auto& held = at::impl::ThreadLocalPythonObjects::get(kHandlerKey);
+  pybind11::gil_scoped_acquire gil;
+  PyObject* object = held->ptr(&held->pyinterpreter());
+  if (!PyObject_HasAttrString(object, "value")) {
+    return true;
+  }
+  PyObject* value = PyObject_GetAttrString(object, "value");
+  const bool drawing = value != nullptr && value != Py_None;
+  Py_XDECREF(value);
+  return drawing;
+}
+
 class RandomOpKernel final : public c10::OperatorKernel {
  public:
   RandomOpKernel(c10::SafeKernelFunction stock, c10::SafeKernelFunction stream)
       : stock_(std::move(stock)), stream_(std::move(stream)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-    if (at::impl::ThreadLocalPythonObjects::contains(kHandlerKey)) {
+    if (in_stream()) {
       stream_.callBoxed(op, keys, stack);
     } else {
       stock_.callBoxed(op, keys, stack);
