@@ -23,8 +23,6 @@ import compile_rng
 from compile_rng._torch import core_internals
 from compile_rng.eager import dispatch_modes
 
-pytestmark = pytest.mark.torch_independent
-
 
 def _python_frames(fn) -> list[str]:
     """Every Python function ``fn()`` calls (``fn`` itself left out)."""

@@ -22,8 +22,6 @@ import compile_rng
 from compile_rng import ops
 from compile_rng.eager.dispatch_modes import eager_stream
 
-pytestmark = pytest.mark.torch_independent
-
 
 def _outcome(fn):
     try:
@@ -171,6 +169,7 @@ def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((counts.double() - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 def test_randperm_is_uniform_over_permutations():
     import itertools
 
@@ -183,6 +182,7 @@ def test_randperm_is_uniform_over_permutations():
     assert _chi2(counts, torch.full((24,), 200.0)) < 49.7  # 23 degrees of freedom, p = 0.001
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 def test_multinomial_frequencies():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4])
     compile_rng.manual_seed(7)
@@ -207,6 +207,7 @@ def _ks(samples: torch.Tensor, cdf) -> float:
     return float(torch.maximum(grid[1:] - f, f - grid[:-1]).max())
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 @pytest.mark.parametrize("alpha", [0.3, 1.0, 4.5])
 def test_gamma_ks(alpha):
     compile_rng.manual_seed(8)
@@ -235,6 +236,7 @@ def _critical(df: int) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 @pytest.mark.parametrize("rate", [0.5, 4.0, 9.9, 10.0, 37.5, 400.0])
 def test_poisson_frequencies(rate):
     compile_rng.manual_seed(9)
@@ -246,6 +248,7 @@ def test_poisson_frequencies(rate):
     assert chi2 < _critical(df)
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 @pytest.mark.parametrize(("count", "prob"), [(10, 0.3), (40, 0.2), (1000, 0.05), (1000, 0.5), (200, 0.93)])
 def test_binomial_frequencies(count, prob):
     compile_rng.manual_seed(10)
@@ -258,6 +261,7 @@ def test_binomial_frequencies(count, prob):
     assert chi2 < _critical(df)
 
 
+@pytest.mark.torch_independent  # the samplers' statistics: compile_rng's own kernels
 def test_dirichlet_moments():
     alpha = torch.tensor([0.4, 1.0, 3.0], dtype=torch.float64)
     compile_rng.manual_seed(11)

@@ -27,8 +27,6 @@ from compile_rng.eager import random_kernels
 from compile_rng.eager.batches import open_step
 from compile_rng.stream import state
 
-pytestmark = pytest.mark.torch_independent
-
 ROWS = {"whole": {}, "second half": {"rows": [4, 5, 6, 7], "global_batch": 8}}
 
 

@@ -14,8 +14,6 @@ from torch import distributions as D
 import compile_rng
 from compile_rng.eager.dispatch_modes import eager_stream
 
-pytestmark = pytest.mark.torch_independent
-
 P = torch.tensor([0.2, 0.5, 0.3])
 A = torch.tensor([0.5, 2.0, 7.0])
 COV = torch.tensor([[2.0, 0.3], [0.3, 1.0]])

@@ -27,8 +27,6 @@ from compile_rng.eager.dispatch_modes import eager_stream
 
 pytest.importorskip("expecttest")  # torch.testing._internal's own dependency
 
-pytestmark = pytest.mark.torch_independent
-
 # composites of the random ops (CompositeImplicit: they reach the stream as native_dropout
 # or bernoulli_); every other family comes from the tag
 _COMPOSITES = {"nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
