@@ -2,9 +2,19 @@
 
 import struct
 
+import pytest
 import torch
 
 SEEDS = [0, 1, 0xDEADBEEF12345678, 2**63 + 5, 2**64 - 1]
+
+#: torch 2.12's Inductor puts ``compile_fx``'s local ``get_decomp_fn`` (made when a backend
+#: passes ``decompositions=``, as compile_rng's does) into its FX-graph cache key, which then
+#: fails to pickle: the cache is bypassed for those graphs ("Failed to pickle cache key";
+#: 2.11 and 2.13+ do not). Tests of that cache's outcomes skip there.
+FX_CACHE_BYPASSED_ON_212 = pytest.mark.skipif(
+    torch.__version__.startswith("2.12"),
+    reason="torch 2.12's FX-graph cache key holds compile_fx's local get_decomp_fn, which does not pickle: bypassed",
+)
 BASES = [0, 1, 3, 2**32 - 5, 2**63 + 7, 2**64 - 6]
 
 
