@@ -6,7 +6,7 @@ random inside their compiled per-parameter step (``torchao.optim.adam.single_par
 the random bits come from ``torch.randint`` on the parameter's *local* shard, so under FSDP2
 every rank draws for its own shard, and the weights depend on the world size (and on the TP
 plan). :func:`on_dtensors` makes that step draw the bits as a DTensor op on the parameter
-itself (``randint_like`` of the DTensor): its shards then take the counters of compile_rng's
+itself (``rand_like`` of the DTensor, its top 16 bits): its shards then take the counters of compile_rng's
 layout, so under ``layout="invariant"`` the rounded weights are those of one device.
 
 The rounding is torchao's: round away from zero with the probability the discarded 16
@@ -31,7 +31,8 @@ def rounded_to_bf16(x_f32: torch.Tensor) -> torch.Tensor:
     16 random bits per element drawn on ``x_f32`` itself."""
     from torch.distributed.tensor import DTensor
 
-    r = torch.randint_like(x_f32, 0, 1 << 16, dtype=torch.int32)
+    # 16 uniform bits: the top 16 of a float32 uniform's 24 (the stream's fast float32 kernel)
+    r = (torch.rand_like(x_f32) * 65536).to(torch.int32)
     sharded = isinstance(x_f32, DTensor)
     local, r_local = (x_f32.to_local(), r.to_local()) if sharded else (x_f32, r)
     rounded = ((local.view(torch.int32) + r_local) & -(1 << 16)).view(torch.float32).bfloat16()
