@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -267,6 +268,11 @@ def main() -> None:
         return
     if args.host:
         print(host_costs())
+        # outside a stream (never imported, after a step, uninstalled), the GIL, inside
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_random_ops
+
+        print(bench_random_ops.table(bench_random_ops.measure("cuda", reps=300), "cuda"))
         return
     eager = [row for dtype in (torch.float32, torch.bfloat16) for row in eager_rows(args.numel, dtype)]
     graphs = graph_rows(args.numel)

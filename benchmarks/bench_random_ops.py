@@ -9,6 +9,10 @@ For each small op, microseconds per call (the best of ``--rounds`` timed loops);
 long a background thread's ``torch.randn(2**25)`` stalls the main thread in each process
 (the longest gap between the main thread's loop iterations while it runs), and the time of
 ``uninstall()`` plus an empty step, then of an empty step after that.
+
+``--device cuda``: the same on the GPU, host time per call (each loop waits for the
+device at its end). ``bench_train_step.py`` and ``bench_gpu.py --host`` print this table
+too (:func:`measure` and :func:`table`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import sys
 CHILD = r"""
 import json, sys, threading, time
 import torch
-mode, reps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-x, y = torch.ones(4, 4), torch.ones(4, 4)
+mode, reps, rounds, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+x, y = torch.ones(4, 4, device=device), torch.ones(4, 4, device=device)
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 OPS = {
-    "rand(4, 4)": lambda: torch.rand(4, 4), "randn(4, 4)": lambda: torch.randn(4, 4),
-    "randint(0, 9, (4,))": lambda: torch.randint(0, 9, (4,)), "randperm(16)": lambda: torch.randperm(16),
+    "rand(4, 4)": lambda: torch.rand(4, 4, device=device), "randn(4, 4)": lambda: torch.randn(4, 4, device=device),
+    "randint(0, 9, (4,))": lambda: torch.randint(0, 9, (4,), device=device),
+    "randperm(16)": lambda: torch.randperm(16, device=device),
     "uniform_ 4x4": lambda: x.uniform_(), "bernoulli_ 4x4": lambda: y.bernoulli_(0.5),
     "dropout 4x4": lambda: torch.nn.functional.dropout(x, 0.5),
 }
@@ -57,6 +63,7 @@ def timed(fn):
         start = time.perf_counter()
         for _ in range(reps):
             fn()
+        sync()
         best = min(best, (time.perf_counter() - start) / reps * 1e6)
     return best
 
@@ -69,7 +76,8 @@ if step is not None:
 else:
     done = threading.Event()
     def background():
-        torch.randn(2**25)
+        torch.randn(2**25, device=device)
+        sync()
         done.set()
     worker = threading.Thread(target=background)
     longest = 0.0
@@ -85,37 +93,49 @@ print(json.dumps(out))
 """
 
 MODES = ("stock", "after a step", "after uninstall", "in a step")
+STALL = "background randn(2**25): main thread stalled (ms)"
 
 
-def measure(mode: str, reps: int, rounds: int) -> dict:
-    run = subprocess.run([sys.executable, "-c", CHILD, mode, str(reps), str(rounds)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def measure(device: str = "cpu", reps: int = 3000, rounds: int = 5) -> dict:
+    """Every column's results (a fresh process each): mode -> {"ops": {op: us per call}, ...}."""
+    results = {}
+    for mode in MODES:
+        run = subprocess.run([sys.executable, "-c", CHILD, mode, str(reps), str(rounds), device],
+                             capture_output=True, text=True, check=True)
+        results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    return results
+
+
+def table(results: dict, device: str = "cpu") -> str:
+    """The results of :func:`measure` as the table the benches print."""
+    import torch
+
+    stock = results["stock"]["ops"]
+    lines = [f"random ops on {device}, host us per call (best of several loops), torch {torch.__version__}, "
+             "1 process per column; in a step: x stock"]
+    lines.append(f"  {'op':<22}" + "".join(f"{m:>17}" for m in MODES) + f"{'step - stock':>15}{'in a step':>11}")
+    for op, base in stock.items():
+        cells = [results[m]["ops"].get(op) for m in MODES]
+        after, inside = results["after a step"]["ops"][op], results["in a step"]["ops"].get(op)
+        lines.append(f"  {op:<22}" + "".join(f"{c:>17.2f}" if c is not None else f"{'-':>17}" for c in cells)
+                     + f"{after - base:>+15.2f}" + (f"{inside / base:>10.1f}x" if inside is not None else f"{'-':>11}"))
+    for key in (STALL, "background randn(2**25): its time (ms)"):
+        lines.append(f"  {key:<52}" + "".join(f"{results[m][key]:>10.1f}" for m in MODES[:3]))
+    after = results["after uninstall"]
+    lines.append(f"  uninstall() and an empty step: {after['uninstall and an empty step (ms)']:.1f} ms; "
+                 f"the next empty step: {after['the next empty step (ms)']:.2f} ms")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
-    import torch
-
-    results = {mode: measure(mode, args.reps, args.rounds) for mode in MODES}
-    stock = results["stock"]["ops"]
-    print(f"random ops, us per call (best of {args.rounds} loops of {args.reps}), torch {torch.__version__}, "
-          "1 process per column")
-    print(f"  {'op':<22}" + "".join(f"{m:>17}" for m in MODES) + f"{'step - stock':>15}")
-    for op, base in stock.items():
-        cells = [results[m]["ops"].get(op) for m in MODES]
-        step = results["after a step"]["ops"][op]
-        print(f"  {op:<22}" + "".join(f"{c:>17.2f}" if c is not None else f"{'-':>17}" for c in cells)
-              + f"{step - base:>+15.2f}")
-    for key in ("background randn(2**25): main thread stalled (ms)", "background randn(2**25): its time (ms)"):
-        print(f"  {key:<52}" + "".join(f"{results[m][key]:>10.1f}" for m in MODES[:3]))
-    after = results["after uninstall"]
-    print(f"  uninstall() and an empty step: {after['uninstall and an empty step (ms)']:.1f} ms; "
-          f"the next empty step: {after['the next empty step (ms)']:.2f} ms")
+    results = measure(args.device, args.reps, args.rounds)
+    print(table(results, args.device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

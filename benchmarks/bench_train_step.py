@@ -17,7 +17,10 @@ writes JSON. Prints the instruction sets in use: compile_rng's CPU kernel build
 (``COMPILE_RNG_CPU_ISA`` forces one), ATen's CPU capability and Inductor's vector ISA;
 ``--baseline-isa avx2`` forces torch's side (``ATEN_CPU_CAPABILITY``), so with
 ``COMPILE_RNG_CPU_ISA=avx2`` an AVX-512 machine measures what an AVX2-only one runs.
-``--modes`` measures a subset.
+``--modes`` measures a subset. Then ``bench_random_ops.py``'s table: a random op outside
+any stream in a process that never imported compile_rng, after a step, after
+``uninstall()``, the GIL stall of a background draw in each, and the op inside a step
+(``--no-random-ops`` leaves it out).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_random import BASELINE_ISAS, torch_isas  # noqa: E402  (its import sets ATEN_CPU_CAPABILITY first)
+import bench_random_ops  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--no-random-ops", action="store_true",
+                        help="leave out bench_random_ops.py's table (a fresh process per column, ~1 min)")
     parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(ALL_MODES),
                         help="modes to measure (stock is always measured: the ratios need it)")
     parser.add_argument("--baseline-isa", choices=BASELINE_ISAS,
@@ -201,9 +207,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{costs['plain in a step']:.2f} us in a step ({costs['plain in a step'] - costs['plain stock']:+.2f}); "
               f"dropout {costs['random stock']:.2f} us stock, {costs['random in a step']:.2f} us in a step "
               f"({costs['random in a step'] / costs['random stock']:.1f}x)")
+    random_ops = None
+    if not args.no_random_ops:  # outside a stream (never imported, after a step, uninstalled), GIL, inside
+        progress("bench_train_step: random ops outside and inside a stream (bench_random_ops.py)")
+        random_ops = bench_random_ops.measure("cpu")
+        print(bench_random_ops.table(random_ops, "cpu"))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"config": c.__dict__, "rows": rows, "aten_ops": ops, "per_op_us": costs,
+            {"config": c.__dict__, "rows": rows, "aten_ops": ops, "per_op_us": costs, "random_ops": random_ops,
              "isas": {"compile_rng": cpu_kernel.isa(), **isas}}, indent=1))
 
 

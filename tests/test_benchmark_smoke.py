@@ -123,6 +123,22 @@ def test_bench_init_first_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_random_ops_smoke(tmp_path):
+    out = tmp_path / "ops.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_random_ops.py"), "--reps", "20",
+                          "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"stock", "after a step", "after uninstall", "in a step"}
+    assert all(results["stock"]["ops"][op] > 0 for op in results["after a step"]["ops"])
+    # every column and the in-step ratio printed for each op; the background draw's stall measured outside
+    lines = run.stdout.splitlines()
+    assert all(any(line.lstrip().startswith(op) for line in lines) for op in results["stock"]["ops"])
+    assert all(results[mode]["background randn(2**25): main thread stalled (ms)"] >= 0
+               for mode in ("stock", "after a step", "after uninstall"))
+
+
+@pytest.mark.slow
 @pytest.mark.beyond_ci
 def test_bench_train_step_smoke(tmp_path):
     out = tmp_path / "train.json"
@@ -136,6 +152,8 @@ def test_bench_train_step_smoke(tmp_path):
     assert set(rows) == {"1/invariant", "1/tracker", "1/stock", "1/eager", "1/eager-step"}
     # the step's eager overhead, as a cost or as within one repetition's noise (no speed asserted)
     assert result["aten_ops"] > 0 and "eager code inside compile_rng.step, 1 thread(s): " in run.stdout
+    assert set(result["random_ops"]) == {"stock", "after a step", "after uninstall", "in a step"}
+    assert "random ops on cpu" in run.stdout
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_train_step import step_overhead
 

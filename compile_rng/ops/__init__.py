@@ -19,6 +19,7 @@ kernel here, a fake kernel for tracing, and an Inductor lowering in
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -443,9 +444,13 @@ def make_key(
     """The ``key`` tensor for ``(seed, base)`` (uint64 values, stored two's complement);
     a batched graph's key also holds its ``rows`` ``(start, total)``. On an accelerator,
     one asynchronous host-to-device copy: the host never waits for the device."""
-    values = torch.tensor([stream.as_int64(seed), stream.as_int64(base), *(rows or ())], dtype=torch.int64)
+    # from a buffer, not a list: a third of torch.tensor's time, on every eager draw
+    values = torch.frombuffer(array.array("q", (stream.as_int64(seed), stream.as_int64(base), *(rows or ()))),
+                              dtype=torch.int64)
     device = torch.device(device)
-    if device.type in ("cpu", "meta"):
+    if device.type == "cpu":
+        return values
+    if device.type == "meta":
         return values.to(device)
     # From pageable memory the copy synchronizes the stream (torch's copy waits for it):
     # every draw and every compiled call would stall the host until the GPU caught up. From

@@ -41,7 +41,7 @@ def check_uint64(name: str, value: object) -> int:
 
 
 def _device_type(device: str | torch.device) -> str:
-    return torch.device(device).type
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
 
 
 #: device types whose state is the device generator's Philox state
