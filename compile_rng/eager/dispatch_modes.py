@@ -8,8 +8,8 @@
   :mod:`~compile_rng.eager.random_kernels` (no other op reaches Python), and enter a
   :class:`RandomOpMode` only once a tensor-parallel rank's local piece is recorded: every
   op on a piece must be followed;
-* :func:`recorded_counters` - the counters each eager random op drew (for
-  ``trunc_normal_``'s redraws).
+* their counters come from :mod:`compile_rng.eager.draw_counters`; the common draws take
+  the short path of :mod:`compile_rng.eager.short_draws`.
 
 Nothing here needs DTensor: plain-tensor code pays no DTensor import.
 """
@@ -21,29 +21,27 @@ import contextvars
 import enum
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from compile_rng import ops as cr_ops
-from compile_rng.eager import batch_dims, random_kernels, recomputation
-from compile_rng.eager.user_code import stack_frames
+from compile_rng.eager import draw_counters, random_kernels
+from compile_rng.eager.draw_counters import Counters, plain_counters, replay_error
+from compile_rng.eager.short_draws import NOT_SERVED, short_draw
 from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,
     dispatch_mode_stack,
     higher_order_op_name,
-    in_backward,
     insert_dispatch_mode,
     op_arguments,
     op_name,
     is_run_with_rng_state,
     pop_dispatch_mode_temporarily,
     remove_dispatch_mode,
-    rng_state_replay_codes,
 )
 from compile_rng.semantics import local_values
 from compile_rng.semantics.random_ops import (
@@ -60,19 +58,11 @@ from compile_rng.semantics.random_ops import (
     normalized_arguments,
     unsupported,
 )
-from compile_rng.semantics.named_draws import draw_position, set_namer
+from compile_rng.semantics.named_draws import set_namer
 from compile_rng.semantics.pieces import Pieces
 from compile_rng.semantics.rows import (
-    BATCH_MAJOR,
-    BatchDim,
-    Rows,
-    ScatteredRows,
-    batch_window,
-    current_rows,
     set_rows,
-    step_batch_dim,
 )
-from compile_rng.stream import ceil4, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -146,17 +136,6 @@ class _TensorCall(RandomCall):
         return target(*args, **kwargs)
 
 
-@dataclass(frozen=True)
-class Counters:
-    """The counters an eager random op drew: element ``idx`` of its ``size``-shaped local
-    result has counter ``key base + offset + sum(idx * strides)`` under ``key``'s seed."""
-
-    key: torch.Tensor
-    offset: int
-    strides: tuple[int, ...]
-    size: tuple[int, ...]
-
-
 #: How an eager op on a tensor-parallel rank's local piece of a DTensor runs:
 #: :mod:`compile_rng.eager.eager_shards` registers it (it imports DTensor; plain-tensor
 #: code never needs it), imported by whatever records such pieces (the installer's
@@ -168,20 +147,6 @@ def register_local_piece_dispatch(dispatch: Callable) -> None:
     """``dispatch(func, args, kwargs)`` runs each op :class:`RandomOpMode` meets on a
     tensor :mod:`compile_rng.semantics.local_values` recorded (idempotent)."""
     _local_piece_dispatch[:] = [dispatch]
-
-
-_counter_log: contextvars.ContextVar[list[Counters] | None] = contextvars.ContextVar("compile_rng_counter_log", default=None)
-
-
-@contextlib.contextmanager
-def recorded_counters() -> Iterator[list[Counters]]:
-    """Collects the :class:`Counters` of every eager random op run inside the block."""
-    log: list[Counters] = []
-    token = _counter_log.set(log)
-    try:
-        yield log
-    finally:
-        _counter_log.reset(token)
 
 
 class _OpKind(enum.Enum):
@@ -292,9 +257,8 @@ def _draw_at(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: 
     key, offset, strides = counters(func, size, device)
     if isinstance(offset, Pieces):
         return _draw_pieces(func, kw, key, offset, size, dtype)
-    log = _counter_log.get()
-    if log is not None:
-        log.append(Counters(key, offset, tuple(strides), tuple(size)))
+    if draw_counters.recording():
+        draw_counters.record(Counters(key, offset, tuple(strides), tuple(size)))
     return _draw(func, kw, key, offset, strides, size, dtype)
 
 
@@ -356,7 +320,7 @@ def _draw_complex(counters: Callable, func: OpOverload, kw: dict, size: list, dt
     fill = _COMPLEX_FILLS.get(functional)
     if fill is None:
         raise RandomArgumentError(f"compile_rng: {func}: dtype {dtype} is not drawn by this op")
-    if counters is not _plain_counters:
+    if counters is not plain_counters:
         raise NotImplementedError(
             f"compile_rng: {func} on a complex DTensor or tensor-parallel piece: its shard layout is not "
             "defined for complex values. Draw the real view (torch.view_as_real) as a DTensor"
@@ -421,19 +385,11 @@ def _higher_order_op(mode: RandomOpMode, func, args: tuple, kwargs: dict):
         _, op, *op_args = args
         if not (is_random(op) and draws(op, normalized_arguments(op, tuple(op_args), kwargs))):
             return mode.__torch_dispatch__(op, [], tuple(op_args), kwargs)
-        raise _replay_error(op)
+        raise replay_error(op)
     raise NotImplementedError(
         f"compile_rng: the higher-order op {higher_order_op_name(func)} ran eagerly under compile_rng's "
         "random-op mode, which cannot see the random ops inside it. Compile the code that calls it "
         "(torch.compile with compile_rng.backend(...)), or run it outside the step"
-    )
-
-
-def _replay_error(op: Any) -> NotImplementedError:
-    return NotImplementedError(
-        f"compile_rng: {op} draws inside run_with_rng_state: a graph compiled by another backend "
-        "(stock Inductor) checkpoints a random op and replays torch's generator for it. Compile the "
-        "region with compile_rng.backend(...), whose graphs draw from the stream in both passes"
     )
 
 
@@ -490,82 +446,16 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
     return value.narrow(own, start, length)
 
 
-def eager_key(
-    op: object, global_shape: Sequence[Any], advance: int, device: torch.device,
-    rows: Rows | ScatteredRows | None, batch_split_by: object = None, batch: BatchDim = BATCH_MAJOR,
-) -> tuple[torch.Tensor, int, list[int] | None]:
-    """``(key, offset, counter strides)`` of an eager random op whose tensor has global
-    shape ``global_shape``: outside a step (``rows`` None) it draws ``advance`` counters
-    from offset 0 (strides None: the layout's own); inside one, at its ``rows`` of the
-    batch along ``batch`` (:func:`~compile_rng.semantics.rows.batch_window`).
-    The key's position comes from the op's name in a step with names, else is reserved
-    from the device's state."""
-    offset, strides = 0, None
-    if rows is not None:
-        offset, advance, strides = batch_window(op, global_shape, rows, batch_split_by, batch)
-    seed, base = draw_position(op, advance, device)
-    return cr_ops.make_key(seed, base, device), offset, strides
-
-
-def draw_rows() -> Rows | ScatteredRows | None:
-    """The rows of the step's global batch a draw here takes: the step's (or microbatch's),
-    but none in a backward pass that is not a recomputation of a forward. A gradient is
-    not a batch of rows: a gradient hook's noise, a communication hook's projections are
-    drawn as replicas, at the stream's position, the same on every rank."""
-    rows = current_rows()
-    if rows is not None and in_backward() and not recomputation.recomputing():
-        return None
-    return rows
-
-
-# draws with no batch dim: a permutation is drawn whole, as a replica, inside a step too
-_WHOLE = {aten.randperm.default}
-
-
-def _plain_counters(func, size, device):
-    # A plain tensor is a replica on a one-rank mesh; inside a step, rows of the batch,
-    # along the dim torch's module or the step says
-    rows = None if func in _WHOLE else draw_rows()
-    batch = read_stack(func, size, rows is not None)
-    key, offset, strides = eager_key(func, size, ceil4(math.prod(size)), device, rows, batch=batch)
-    return key, offset, strides if strides is not None else contiguous_strides(size)
-
-
-_replay_codes: frozenset | None = None
-
-
-def read_stack(func: OpOverload, shape: Sequence[int], in_a_step: bool) -> BatchDim:
-    """One walk of the Python stack for a stream's draw of ``func`` on a tensor of
-    ``shape``: refuses it under torch's ``run_with_rng_state`` (or its forward twin) - a
-    graph compiled by another backend that would replay torch's generator for it in the
-    backward; a dispatch mode met the operator itself, the kernels of
-    :mod:`~compile_rng.eager.random_kernels` meet only the op inside - and, in a step,
-    returns the batch dim the innermost of torch's modules says
-    (:mod:`~compile_rng.eager.batch_dims`, checked against ``shape``), else the step's.
-    The frames are never kept: a list of them held in a frame on the stack is a cycle
-    that keeps every caller's locals alive."""
-    global _replay_codes
-    if _replay_codes is None:
-        _replay_codes = frozenset(map(id, rng_state_replay_codes()))
-    rules, found = batch_dims.RULES_BY_CODE, None
-    for frame in stack_frames():
-        code = id(frame.f_code)
-        if code in _replay_codes:
-            raise _replay_error(func)
-        if in_a_step and found is None and code in rules:  # a set lookup per frame: the walk is per draw
-            found = batch_dims.said_by(frame, shape)
-    if found is not None:
-        return found
-    return BatchDim(step_batch_dim()) if in_a_step else BATCH_MAJOR
-
-
 def _stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
     """The eager stream's handler of a random op on plain tensors (a
     :mod:`~compile_rng.eager.random_kernels` kernel's): drawn as a replica, or as its
     piece where a tensor-parallel rank's recorded local piece is among the operands."""
     if local_values.touches((args, kwargs)):
         return _local_piece_dispatch[0](func, args, kwargs)
-    return _random_op(_plain_counters, func, args, kwargs, stock)
+    drawn = short_draw(func, args, kwargs)
+    if drawn is not NOT_SERVED:
+        return drawn
+    return _random_op(plain_counters, func, args, kwargs, stock)
 
 
 class _PieceMode(RandomOpMode):
@@ -579,7 +469,7 @@ class _PieceMode(RandomOpMode):
     (the graphs' own random ops are functional already)."""
 
     def __init__(self) -> None:
-        super().__init__(_plain_counters, plain_only=True)
+        super().__init__(plain_counters, plain_only=True)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

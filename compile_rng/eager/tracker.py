@@ -45,7 +45,8 @@ from compile_rng._torch.dtensor_internals import (
 )
 from compile_rng._torch.dynamo_internals import eager_contextmanager
 from compile_rng.eager import random_kernels
-from compile_rng.eager.dispatch_modes import RandomOpMode, draw_rows, eager_key, read_stack
+from compile_rng.eager.dispatch_modes import RandomOpMode
+from compile_rng.eager.draw_counters import draw_rows, eager_key, read_stack
 # spmd as a module: importing it first imports DTensor, whose import hook imports this
 # module, which then finds spmd half-initialized (its names are read at call time)
 from compile_rng.semantics import spmd, verify

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from compile_rng._torch.dynamo_internals import disable_dynamo
-from compile_rng.eager import dispatch_modes
+from compile_rng.eager import dispatch_modes, draw_counters
 from compile_rng import stream
 from compile_rng.stream import state
 from compile_rng.stream.cpu_kernel import normal_f32_at
@@ -165,7 +165,7 @@ def trunc_normal_(
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             # no kernel draws other dtypes at given counters: torch's loop, kept in step across ranks
             return _redraw_loop(tensor, mean, std, lo, hi)
-        with dispatch_modes.recorded_counters() as log:
+        with draw_counters.recorded_counters() as log:
             tensor.normal_(mean, std)
         if len(log) != 1:
             # a shard drawn piecewise (uneven _StridedShard) has no one window to redraw at
@@ -194,7 +194,7 @@ def trunc_normal_(
     return tensor
 
 
-def _layout_counters(flat_index: torch.Tensor, draw: dispatch_modes.Counters) -> torch.Tensor:
+def _layout_counters(flat_index: torch.Tensor, draw: draw_counters.Counters) -> torch.Tensor:
     """``offset + sum(idx * strides)`` of the row-major local positions ``flat_index``."""
     counters = torch.full_like(flat_index, draw.offset)
     rest = flat_index.clone()

@@ -105,9 +105,14 @@ def _values_known(value: Any) -> bool:
 
 def _probability(call: RandomCall, name: str) -> float:
     p = float(call.arg(name))
-    if not 0.0 <= p <= 1.0:  # also rejects NaN
+    if not is_probability(p):
         call.fail(f"{name}={p} is not a probability", "pass a value in [0, 1]")
     return p
+
+
+def is_probability(p: float) -> bool:
+    """Whether torch accepts ``p`` as a probability: in [0, 1], not NaN."""
+    return 0.0 <= p <= 1.0
 
 
 def _float_dtype(call: RandomCall) -> torch.dtype:
@@ -121,15 +126,24 @@ def _float_dtype(call: RandomCall) -> torch.dtype:
 def _uniform(call: RandomCall) -> Any:
     low, high = float(call.arg("from", 0.0)), float(call.arg("to", 1.0))
     dtype = _float_dtype(call)
+    fault = uniform_fault(low, high, dtype)
+    if fault is not None:
+        call.fail(*fault)
+    return call.emit(cr.uniform.default, call.size(), call.strides(), low, high, dtype)
+
+
+def uniform_fault(low: float, high: float, dtype: torch.dtype) -> tuple[str, str] | None:
+    """Why torch refuses ``uniform_(low, high)`` on a floating ``dtype`` (what, and the
+    fix), or None where it accepts it."""
     limit = torch.finfo(dtype).max
     for name, bound in (("from", low), ("to", high)):
         if not -limit <= bound <= limit:  # ATen: out of the dtype's bounds (NaN too)
-            call.fail(f"{name}={bound} is out of bounds for {dtype}", "pass finite bounds the dtype holds")
+            return f"{name}={bound} is out of bounds for {dtype}", "pass finite bounds the dtype holds"
     if not low <= high:
-        call.fail(f"from={low} > to={high}", "pass from <= to")
+        return f"from={low} > to={high}", "pass from <= to"
     if not high - low <= limit:
-        call.fail(f"to - from = {high - low} exceeds the largest {dtype}", "narrow the range")
-    return call.emit(cr.uniform.default, call.size(), call.strides(), low, high, dtype)
+        return f"to - from = {high - low} exceeds the largest {dtype}", "narrow the range"
+    return None
 
 
 def _standard_normal(call: RandomCall, mean: float = 0.0, std: float = 1.0) -> Any:

@@ -1,0 +1,204 @@
+"""The short path of the common eager draws (``compile_rng/eager/short_draws.py``) draws
+what the general path draws: the same values, the same stream position after, the same
+recorded counters, the same errors - draw by draw, in every kind of stream and layout a
+step has. Each scenario runs twice from the same seed, with the short path and with it
+switched off; the scenarios the short path serves are checked to have been served (else
+the comparison would be vacuous), those it must not serve to have not been.
+
+The general path itself is checked against the independent scalar reference elsewhere
+(``test_stream_reference.py``, ``test_eager_step.py``); equality with it carries that over."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import compile_rng
+from compile_rng import ops as cr_ops
+from compile_rng.eager import dispatch_modes, draw_counters, short_draws
+from compile_rng.eager.dispatch_modes import eager_stream
+from compile_rng.stream import state
+
+
+def _fills(x: torch.Tensor) -> list[torch.Tensor]:
+    """The served calls, several arguments each, on a contiguous float32 tensor."""
+    return [
+        x.clone().bernoulli_(0.0), x.clone().bernoulli_(0.1), x.clone().bernoulli_(), x.clone().bernoulli_(1.0),
+        x.clone().bernoulli_(1), x.clone().uniform_(), x.clone().uniform_(-2, 2), x.clone().uniform_(3.0, 3.0),
+        x.clone().uniform_(-2.0, 0.25), F.dropout(x, 0.3), F.dropout(x, 0.5),
+    ]
+
+
+def _whole_step() -> list[torch.Tensor]:
+    with compile_rng.step(8):
+        return _fills(torch.ones(8, 16))
+
+
+def _second_half() -> list[torch.Tensor]:
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
+        return _fills(torch.ones(4, 3, 5))
+
+
+def _microbatches() -> list[torch.Tensor]:
+    out = []
+    with compile_rng.step(8) as step:
+        for _ in range(2):
+            with step.microbatch(4):
+                out += _fills(torch.ones(4, 16))
+    return out
+
+
+def _named() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Linear(16, 16), nn.Dropout(0.4))
+    with compile_rng.step(8, names=model):  # a draw in a named step is in a module's forward
+        return [model(torch.ones(8, 16)), model(torch.zeros(8, 16))]
+
+
+def _sequence_major_whole_batch() -> list[torch.Tensor]:
+    with compile_rng.step(8, batch_dim=1):  # the whole batch along dim 1: one contiguous run
+        return _fills(torch.ones(8, 8, 3))[:4]
+
+
+def _replica_stream() -> list[torch.Tensor]:
+    with eager_stream():  # a compiled call's or an init function's eager code: no rows
+        return _fills(torch.ones(3, 7))
+
+
+def _checkpointed_backward_after_the_step() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
+        loss = checkpoint(lambda t: F.dropout(lin(t), 0.3), x, use_reentrant=False).square().sum()
+    loss.backward()
+    return [x.grad]
+
+
+# served: each of these draws only calls the short path serves
+SERVED = {
+    "whole step": _whole_step, "rows 4-7 of 8": _second_half, "microbatches": _microbatches,
+    "step with names": _named, "replica stream": _replica_stream,
+    "sequence-major, the whole batch": _sequence_major_whole_batch,
+    "checkpoint recomputed after the step": _checkpointed_backward_after_the_step,
+}
+
+
+def _not_served_layouts() -> list[torch.Tensor]:
+    out = []
+    with compile_rng.step(8):
+        x = torch.ones(16, 8).t()  # dim 0 is the batch, but not contiguous
+        out += [x.clone().bernoulli_(0.5), x.bernoulli_(0.5), torch.ones(8, 4, dtype=torch.float64).bernoulli_(0.5)]
+        weight = nn.Parameter(torch.ones(8, 4))
+        with torch.no_grad():
+            out += [weight.uniform_().detach().clone()]
+        out += [torch.ones(8, 4).uniform_(-0.1, 0.1)]  # 0.1 is no float32
+        out += [torch.ones(8, 4).bernoulli_(torch.full((8, 4), 0.3))]
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8, batch_dim=1):  # sequence-major: strided counters
+        out += [torch.ones(5, 4, 3).bernoulli_(0.5)]
+    with compile_rng.step(8, rows=[1, 3, 5, 7, 9, 11, 13, 15], global_batch=16):  # interleaved rows
+        out += [torch.ones(8, 4).bernoulli_(0.5)]
+    return out
+
+
+def _run(scenario: Callable[[], list[torch.Tensor]]) -> tuple[list[torch.Tensor], tuple, list[tuple]]:
+    compile_rng.manual_seed(1234)
+    with draw_counters.recorded_counters() as log:
+        values = scenario()
+    counters = [(tuple(c.key.tolist()), c.offset, c.strides, c.size) for c in log]
+    return values, state.get_state("cpu"), counters
+
+
+def _both_ways(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
+    """(short path's run, general path's run, draws the short path served). Each run also
+    holds the CPU kernel's calls, argument by argument (the tensors' addresses aside)."""
+    served, calls = [], []
+
+    def recorded(kernel, short):
+        def call(op, numel, seed, base, **kw):
+            served.extend([1] if short else [])
+            calls.append((op, numel, seed % 2**64, base % 2**64,
+                          sorted((k, v) for k, v in kw.items() if v is not None and not isinstance(v, torch.Tensor))))
+            return kernel(op, numel, seed, base, **kw)
+        return call
+
+    monkeypatch.setattr(short_draws, "fast_f32", recorded(short_draws.fast_f32, True))
+    monkeypatch.setattr(cr_ops, "fast_f32", recorded(cr_ops.fast_f32, False))
+    short = (*_run(scenario), list(calls))
+    calls.clear()
+    monkeypatch.setattr(dispatch_modes, "short_draw", lambda *a: short_draws.NOT_SERVED)
+    general = (*_run(scenario), list(calls))
+    return short, general, len(served)
+
+
+def _assert_same(short: tuple, general: tuple) -> None:
+    (values, position, counters, calls), (want, want_position, want_counters, want_calls) = short, general
+    assert len(values) == len(want)
+    for got, expected in zip(values, want):
+        assert got.dtype == expected.dtype and got.shape == expected.shape and got.stride() == expected.stride()
+        assert torch.equal(got, expected)
+    assert position == want_position
+    assert counters == want_counters
+    assert calls == want_calls  # the same kernel calls: the same counters, thresholds and bounds
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_the_short_path_draws_what_the_general_path_draws(name, monkeypatch):
+    short, general, served = _both_ways(SERVED[name], monkeypatch)
+    assert served > 0, "the short path served nothing: the comparison says nothing"
+    _assert_same(short, general)
+
+
+def test_other_layouts_dtypes_and_arguments_take_the_general_path(monkeypatch):
+    """Not contiguous, float64, a Parameter, a bound float32 cannot hold, tensor ``p``,
+    sequence-major and interleaved rows: not served (nothing reserved first), same values."""
+    short, general, served = _both_ways(_not_served_layouts, monkeypatch)
+    assert served == 0
+    _assert_same(short, general)
+
+
+def test_generator_and_refused_arguments_take_the_general_path(monkeypatch):
+    """``generator=`` draws torch's values from it; arguments torch refuses raise torch's
+    own error, whichever path is on."""
+    def scenario():
+        with compile_rng.step(4):
+            g = torch.Generator().manual_seed(7)
+            drawn = [torch.ones(4, 4).bernoulli_(0.5, generator=g), torch.ones(4, 4).uniform_(generator=g)]
+            for bad in (lambda t: t.bernoulli_(1.5), lambda t: t.bernoulli_(float("nan")),
+                        lambda t: t.uniform_(2.0, 1.0), lambda t: t.uniform_(-3e38, 3e38)):
+                with pytest.raises(RuntimeError) as refused:
+                    bad(torch.ones(4, 4))
+                drawn.append(torch.tensor([len(str(refused.value))]))  # the same message both ways
+            return drawn
+
+    short, general, served = _both_ways(scenario, monkeypatch)
+    assert served == 0
+    g = torch.Generator().manual_seed(7)
+    assert torch.equal(short[0][0], torch.ones(4, 4).bernoulli_(0.5, generator=g))  # torch's values
+    _assert_same(short, general)
+
+
+def test_a_draw_under_a_users_dispatch_mode(monkeypatch):
+    """A user's mode sees the op first; what it runs reaches the kernel with the mode off
+    (served there), and the values are the general path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def scenario():
+        with compile_rng.step(4), Seen():
+            return [torch.ones(4, 4).bernoulli_(0.5), F.dropout(torch.ones(4, 4), 0.5)]
+
+    short, general, served = _both_ways(scenario, monkeypatch)
+    assert served == 2 and torch.ops.aten.bernoulli_.float in seen
+    _assert_same(short, general)
