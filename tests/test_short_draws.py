@@ -31,6 +31,10 @@ def _fills(x: torch.Tensor) -> list[torch.Tensor]:
         x.clone().bernoulli_(0.0), x.clone().bernoulli_(0.1), x.clone().bernoulli_(), x.clone().bernoulli_(1.0),
         x.clone().bernoulli_(1), x.clone().uniform_(), x.clone().uniform_(-2, 2), x.clone().uniform_(3.0, 3.0),
         x.clone().uniform_(-2.0, 0.25), F.dropout(x, 0.3), F.dropout(x, 0.5),
+        x.clone().normal_(), x.clone().normal_(2, 0.5), x.clone().normal_(-1.0, 0.0),
+        torch.rand(x.shape), torch.rand(*x.shape, dtype=torch.float32, device="cpu"), torch.randn(x.shape),
+        torch.rand_like(x), torch.randn_like(x), torch.randn_like(x.double(), dtype=torch.float32),
+        torch.rand_like(x, memory_format=torch.contiguous_format),
     ]
 
 
@@ -99,6 +103,10 @@ def _not_served_layouts() -> list[torch.Tensor]:
             out += [weight.uniform_().detach().clone()]
         out += [torch.ones(8, 4).uniform_(-0.1, 0.1)]  # 0.1 is no float32
         out += [torch.ones(8, 4).bernoulli_(torch.full((8, 4), 0.3))]
+        out += [torch.rand(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.bfloat16),
+                torch.randn_like(torch.ones(4, 8).t()), torch.rand_like(torch.ones(4, 8).t()),
+                torch.ones(4, 8).t().normal_()]
+        out += [torch.empty(torch.randn(8, 4, device="meta").shape)[:0]]
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8, batch_dim=1):  # sequence-major: strided counters
         out += [torch.ones(5, 4, 3).bernoulli_(0.5)]
     with compile_rng.step(8, rows=[1, 3, 5, 7, 9, 11, 13, 15], global_batch=16):  # interleaved rows
@@ -127,8 +135,17 @@ def _both_ways(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
             return kernel(op, numel, seed, base, **kw)
         return call
 
+    def recorded_normal(kernel, short):
+        def call(seed, base, size, strides, mean, std, out=None):
+            served.extend([1] if short else [])
+            calls.append(("normal", seed % 2**64, base % 2**64, list(size), list(strides), mean, std))
+            return kernel(seed, base, size, strides, mean, std, out=out)
+        return call
+
     monkeypatch.setattr(short_draws, "fast_f32", recorded(short_draws.fast_f32, True))
     monkeypatch.setattr(cr_ops, "fast_f32", recorded(cr_ops.fast_f32, False))
+    monkeypatch.setattr(short_draws, "normal_f32", recorded_normal(short_draws.normal_f32, True))
+    monkeypatch.setattr(cr_ops, "normal_f32", recorded_normal(cr_ops.normal_f32, False))
     short = (*_run(scenario), list(calls))
     calls.clear()
     monkeypatch.setattr(dispatch_modes, "short_draw", lambda *a: short_draws.NOT_SERVED)
@@ -155,8 +172,9 @@ def test_the_short_path_draws_what_the_general_path_draws(name, monkeypatch):
 
 
 def test_other_layouts_dtypes_and_arguments_take_the_general_path(monkeypatch):
-    """Not contiguous, float64, a Parameter, a bound float32 cannot hold, tensor ``p``,
-    sequence-major and interleaved rows: not served (nothing reserved first), same values."""
+    """Not contiguous, float64 or bfloat16, a Parameter, a bound float32 cannot hold, tensor
+    ``p``, meta, sequence-major and interleaved rows: not served (nothing reserved
+    first), same values."""
     short, general, served = _both_ways(_not_served_layouts, monkeypatch)
     assert served == 0
     _assert_same(short, general)
@@ -169,8 +187,11 @@ def test_generator_and_refused_arguments_take_the_general_path(monkeypatch):
         with compile_rng.step(4):
             g = torch.Generator().manual_seed(7)
             drawn = [torch.ones(4, 4).bernoulli_(0.5, generator=g), torch.ones(4, 4).uniform_(generator=g)]
+            drawn += [torch.randn(4, 4, generator=g), torch.rand(4, 4, generator=g)]
             for bad in (lambda t: t.bernoulli_(1.5), lambda t: t.bernoulli_(float("nan")),
-                        lambda t: t.uniform_(2.0, 1.0), lambda t: t.uniform_(-3e38, 3e38)):
+                        lambda t: t.uniform_(2.0, 1.0), lambda t: t.uniform_(-3e38, 3e38),
+                        lambda t: t.normal_(0.0, -1.0), lambda t: t.normal_(0.0, float("nan")),
+                        lambda t: torch.rand(-1, 4)):
                 with pytest.raises(RuntimeError) as refused:
                     bad(torch.ones(4, 4))
                 drawn.append(torch.tensor([len(str(refused.value))]))  # the same message both ways

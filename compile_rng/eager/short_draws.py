@@ -1,8 +1,8 @@
 """The common eager draws on a short path: counters, then the CPU kernel into the tensor.
 
 Most random ops in a step are one of a few calls on a plain, dense float32 CPU tensor:
-dropout's ``bernoulli_(p)`` on the ``empty_like`` it fills, ``uniform_`` and ``rand``-style
-fills. The general path (:mod:`compile_rng.eager.dispatch_modes`) serves every op, dtype,
+dropout's ``bernoulli_(p)`` on the ``empty_like`` it fills (and timm's drop path's), ``uniform_``
+and ``normal_`` fills, ``rand``/``randn`` and their ``*_like`` (masks, noise). The general path (:mod:`compile_rng.eager.dispatch_modes`) serves every op, dtype,
 layout and device through layers - the op's rule, the functional op, its kernel choice, a
 key tensor - at ~40 us a call on a Xeon core. Here such a draw takes its counters from the
 same place (:func:`~compile_rng.eager.draw_counters.plain_window`, the stream's position)
@@ -29,58 +29,121 @@ from compile_rng._torch.core_internals import OpOverload, current_dispatch_mode
 from compile_rng.eager import draw_counters
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.random_ops import is_probability, normalized_arguments, uniform_fault
-from compile_rng.stream.cpu_kernel import FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok
+from compile_rng.stream.cpu_kernel import FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32
 
 aten = torch.ops.aten
 
 #: what :func:`short_draw` returns for a call it does not serve
 NOT_SERVED = object()
 
+#: ``fill(out, seed, base, strides)``: the kernel writing the draw into ``out``, whose
+#: element ``i`` (row-major) has counter ``base + i``
+Fill = Callable[[torch.Tensor, int, int, list], Any]
+
+_CPU = torch.device("cpu")
+
 
 def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)`` drawn in the eager stream here on the short path, or
     :data:`NOT_SERVED` (nothing drawn, nothing reserved)."""
-    fill = _FILLS.get(func)
-    if fill is None:
+    parse = _CALLS.get(func)
+    if parse is None or current_dispatch_mode() is not None:
         return NOT_SERVED
     kw = normalized_arguments(func, args, kwargs)
-    target = kw["input"]
-    if (type(target) is not torch.Tensor or target.dtype != torch.float32 or target.device.type != "cpu"
-            or not target.is_contiguous() or kw["generator"] is not None or current_dispatch_mode() is not None):
+    served = parse(kw) if kw.get("generator") is None else None
+    if served is None:
         return NOT_SERVED
-    arguments = fill(kw)
-    if arguments is None:
-        return NOT_SERVED
-    size = list(target.shape)
+    size, target, fill = served
     advance, offset, strides = draw_counters.plain_window(func, size)
     if not stream.contiguous_stream(size, strides):
         return NOT_SERVED
-    seed, base = draw_position(func, advance, target.device)
+    seed, base = draw_position(func, advance, _CPU)
     if draw_counters.recording():
         draw_counters.record(draw_counters.Counters(make_key(seed, base), offset, tuple(strides), tuple(size)))
-    fast_f32(arguments[0], target.numel(), seed, base + offset, out=target, **arguments[1])
-    return target
+    out = torch.empty(size, dtype=torch.float32) if target is None else target
+    fill(out, seed, base + offset, strides)
+    return out
 
 
-def _bernoulli(kw: dict) -> tuple[int, dict] | None:
-    p = kw["p"]
-    if not (isinstance(p, (float, int)) and is_probability(p)):
+def _dense(t: Any) -> bool:
+    """A plain, contiguous float32 CPU tensor (a Parameter, a fake or functional tensor
+    is not: their writes take torch's own path)."""
+    return type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _number(*values: Any) -> bool:
+    return all(isinstance(v, (float, int)) for v in values)
+
+
+def _factory(kw: dict, like: torch.Tensor | None = None) -> list[int] | None:
+    """The size of a float32 CPU tensor a factory (or ``*_like`` of ``like``) makes, or None."""
+    dtype = kw.get("dtype") or (like.dtype if like is not None else torch.get_default_dtype())
+    device = kw.get("device") or (like.device if like is not None else torch.get_default_device())
+    if (dtype != torch.float32 or torch.device(device).type != "cpu" or kw.get("layout") not in (None, torch.strided)
+            or kw.get("pin_memory") or kw.get("memory_format") not in (None, torch.preserve_format,
+                                                                      torch.contiguous_format)):
         return None
-    return FAST_BERNOULLI, {"threshold": stream.threshold32(float(p))}
+    if like is not None:
+        return list(like.shape) if type(like) is torch.Tensor and like.is_contiguous() else None
+    size = kw["size"]
+    return list(size) if all(type(n) is int and n >= 0 for n in size) else None
 
 
-def _uniform(kw: dict) -> tuple[int, dict] | None:
-    low, high = kw["from"], kw["to"]
-    if not (isinstance(low, (float, int)) and isinstance(high, (float, int))):
+def _uniform(low: Any, high: Any) -> Fill | None:
+    if not _number(low, high):
         return None
     low, high = float(low), float(high)
     if uniform_fault(low, high, torch.float32) is not None or not fast_uniform_ok(high):
         return None
-    return FAST_UNIFORM, {"low": low, "high": high}
+    return lambda out, seed, base, strides: fast_f32(FAST_UNIFORM, out.numel(), seed, base, out=out, low=low, high=high)
 
 
-#: op -> its kernel's arguments from the call's (None: not served)
-_FILLS: dict[OpOverload, Callable[[dict], tuple[int, dict] | None]] = {
-    aten.bernoulli_.float: _bernoulli,
-    aten.uniform_.default: _uniform,
+def _normal(mean: Any, std: Any) -> Fill | None:
+    if not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
+        return None
+    mean, std = float(mean), float(std)
+    return lambda out, seed, base, strides: normal_f32(seed, base, list(out.shape), list(strides), mean, std, out=out)
+
+
+def _bernoulli(p: Any) -> Fill | None:
+    if not (_number(p) and is_probability(p)):
+        return None
+    threshold = stream.threshold32(float(p))
+    return lambda out, seed, base, strides: fast_f32(FAST_BERNOULLI, out.numel(), seed, base, out=out,
+                                                     threshold=threshold)
+
+
+def _in_place(fill: Callable[[dict], Fill | None]) -> Callable[[dict], tuple | None]:
+    def parse(kw: dict) -> tuple | None:
+        target = kw["input"]
+        drawn = fill(kw) if _dense(target) else None
+        return None if drawn is None else (list(target.shape), target, drawn)
+    return parse
+
+
+def _made(fill: Callable[[dict], Fill | None], like: bool) -> Callable[[dict], tuple | None]:
+    def parse(kw: dict) -> tuple | None:
+        size = _factory(kw, kw["input"] if like else None)
+        drawn = fill(kw) if size is not None else None
+        return None if drawn is None else (size, None, drawn)
+    return parse
+
+
+def _uniform_of(kw: dict) -> Fill | None:
+    return _uniform(kw.get("from", 0.0), kw.get("to", 1.0))
+
+
+def _normal_of(kw: dict) -> Fill | None:
+    return _normal(kw.get("mean", 0.0), kw.get("std", 1.0))
+
+
+#: op -> its call's ``(size, target or None, fill)`` from its arguments (None: not served)
+_CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
+    aten.bernoulli_.float: _in_place(lambda kw: _bernoulli(kw["p"])),
+    aten.uniform_.default: _in_place(_uniform_of),
+    aten.normal_.default: _in_place(_normal_of),
+    aten.rand.default: _made(_uniform_of, like=False),
+    aten.rand_like.default: _made(_uniform_of, like=True),
+    aten.randn.default: _made(_normal_of, like=False),
+    aten.randn_like.default: _made(_normal_of, like=True),
 }
