@@ -5,14 +5,16 @@ step has. Each scenario runs twice from the same seed, with the short path and w
 switched off; the scenarios the short path serves are checked to have been served (else
 the comparison would be vacuous), those it must not serve to have not been.
 
-The general path itself is checked against the independent scalar reference elsewhere
-(``test_stream_reference.py``, ``test_eager_step.py``); equality with it carries that over."""
+The short path is also checked on its own against the independent scalar reference
+(``reference.py``: the single-device stream at global row-major counters), in one process
+at a rank's rows and on real gloo ranks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
+import reference as ref
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ import compile_rng
 from compile_rng import ops as cr_ops
 from compile_rng.eager import dispatch_modes, draw_counters, short_draws
 from compile_rng.eager.dispatch_modes import eager_stream
+from compile_rng.launch import spawn
 from compile_rng.stream import state
 
 
@@ -223,3 +226,75 @@ def test_a_draw_under_a_users_dispatch_mode(monkeypatch):
     short, general, served = _both_ways(scenario, monkeypatch)
     assert served == 2 and torch.ops.aten.bernoulli_.float in seen
     _assert_same(short, general)
+
+
+SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
+
+
+def _draws(rows: int) -> list[torch.Tensor]:
+    """Dropout's bernoulli_, rand and randn on ``rows`` rows, each at its rows of the step's global batch."""
+    return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW)]
+
+
+def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
+    """The reference's values of :func:`_draws` at global rows ``[first_row, first_row + rows)``."""
+    inner = ROW[0] * ROW[1]
+    advance = GLOBAL * inner  # a multiple of 4: each draw starts where the last ended
+    counters = [first_row * inner + i for i in range(rows * inner)]
+    shape = (rows, *ROW)
+    keep = torch.tensor([float(ref.keep_bernoulli(SEED, n, 0.3)) for n in counters]).view(shape)
+    uniform = torch.tensor([ref.uniform01(SEED, advance + n, "float32") for n in counters]).view(shape)
+    normal = torch.tensor([ref.normal_std(SEED, 2 * advance + n) for n in counters], dtype=torch.float64).view(shape)
+    return [keep, uniform, normal]
+
+
+def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
+    keep, uniform, normal = _expected(first_row, drawn[0].shape[0])
+    assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform)
+    # the float32 Box-Muller kernel against float64 math: its conformance bound, a few ulp
+    assert torch.allclose(drawn[2].double(), normal, rtol=2e-6, atol=2e-6)
+
+
+def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch):
+    served = []
+    kernels = {name: getattr(short_draws, name) for name in ("fast_f32", "normal_f32")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
+    compile_rng.manual_seed(SEED)
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
+        drawn = _draws(4)
+    assert len(served) == 3
+    _assert_reference(drawn, first_row=4)
+
+
+def _gloo_body(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    served = []
+    kernels = {name: getattr(short_draws, name) for name in ("fast_f32", "normal_f32")}
+    for name, kernel in kernels.items():
+        setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
+    compile_rng.manual_seed(SEED)
+    with compile_rng.step(4, data_parallel=dist.group.WORLD):
+        drawn = _draws(4)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (drawn, len(served), compile_rng.get_state()))
+    if rank == 0:
+        torch.save(gathered, out)
+
+
+@pytest.mark.slow
+def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
+    """Two gloo ranks of 4 rows each: each rank's draws (on the short path) are its rows of
+    the reference's global batch, and the stream ends where one process's does."""
+    out = str(tmp_path / "ranks.pt")
+    spawn(_gloo_body, 2, out)
+    gathered = torch.load(out)
+    compile_rng.manual_seed(SEED)
+    with compile_rng.step(GLOBAL):
+        whole = _draws(GLOBAL)
+    for rank, (drawn, served, position) in enumerate(gathered):
+        assert served == 3
+        assert position == compile_rng.get_state()
+        _assert_reference(drawn, first_row=4 * rank)
+        assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))
