@@ -1,8 +1,10 @@
 """A batched graph's rows in the rewritten graph (:mod:`compile_rng.eager.batches`).
 
-The key input is ``[seed, base, row_start, rows_total]``; dim 0 of every random op is
-the batch, the op advances by ``ceil4(rows_total * row_numel)`` and starts ``row_start *
-row_numel`` into its range. Those terms are runtime values, so they are added to the
+The key input is ``[seed, base, row_start, rows_total]``; one dim of every random op is
+the batch (the step's ``batch_dim``, 0 inside torch's batch-major modules), whose rows
+take the outermost counters (:func:`~compile_rng.semantics.rows.batch_counter_strides`):
+the op advances by ``ceil4(rows_total * row_numel)`` and starts ``row_start * row_numel``
+into its range. Those terms are runtime values, so they are added to the
 op's key in the graph (int64 tensor arithmetic on the key), while the rest of the offset
 stays a SymInt (example in :mod:`compile_rng.passes.functionalize_rng`).
 
@@ -20,7 +22,7 @@ from typing import Any
 import sympy
 import torch
 from compile_rng._torch.core_internals import FloorDiv
-from compile_rng.passes.graph_nodes import call, sequence_major_module, source_of
+from compile_rng.passes.graph_nodes import call, source_of, torch_module_layout
 from compile_rng.passes.plan import BATCH_SYMBOLS, ROW_START, ROWS_TOTAL, RngPlan
 from compile_rng.passes.sym_emit import SymEmitter
 from torch import fx
@@ -40,34 +42,69 @@ class BatchRows:
             total = call(graph, torch.ops.aten.select.int, key, 0, 3)
         self.values = {ROW_START: start, ROWS_TOTAL: total}
 
-    def row_numel(self, node: fx.Node, global_shape: tuple) -> sympy.Expr:
-        """Elements per batch row of an op whose (DTensor-global) shape is ``global_shape``;
-        checks that dim 0 is the graph's local batch."""
-        if not global_shape:
+    def batch_dim(self, node: fx.Node, global_shape: tuple, dtensor: bool) -> int:
+        """The dim of an op's (DTensor-global) shape ``global_shape`` that holds the batch:
+        0 inside torch's batch-major modules, else the one the step declared when the graph
+        compiled (``plan.batch_dim``). Refuses what the graph cannot tell apart, as an eager
+        step does (:func:`~compile_rng.semantics.rows.batch_window`): a sequence-major
+        module's draw whose first two dims have one size, a declared dim on a 4-D draw whose
+        dim 0 has the batch's size too (``scaled_dot_product_attention``'s dropout)."""
+        module = torch_module_layout(node)
+        dim = 0 if module is not None and module[1] else self.plan.batch_dim
+        if len(global_shape) <= dim:
             raise NotImplementedError(
-                f"compile_rng: {node.target} at {source_of(node)} draws a 0-d tensor in a batched graph, "
-                "whose random ops must all be on batch-major activations (dim 0 = the batch)"
+                f"compile_rng: {node.target} at {source_of(node)} draws a tensor of shape {tuple(global_shape)} in a "
+                f"batched graph, whose random ops must all have the batch at dim {dim} (the step's batch_dim)"
             )
-        rows = global_shape[0]
-        module = sequence_major_module(node)
-        if module is not None and len(global_shape) > 1 and sympy.simplify(global_shape[1] - rows) == 0:
-            raise NotImplementedError(
-                f"compile_rng: {node.target} at {source_of(node)} in torch's {module} draws on a tensor of "
-                f"shape {tuple(global_shape)} in a batched graph: {module} runs sequence-major activations "
+        if module is not None and not module[1] and len(global_shape) > 1:
+            self._tell_apart(
+                node, global_shape[0], global_shape[1],
+                f"{node.target} at {source_of(node)} in torch's {module[0]} draws on a tensor of shape "
+                f"{tuple(global_shape)} in a batched graph: {module[0]} runs sequence-major activations "
                 "(seq, batch, ...) unless batch-first, and with the sequence as long as the batch the graph "
                 "cannot tell which dim is the batch. Run this module eagerly in the step (compile_rng reads "
-                "its layout there), or make it batch_first=True with a sequence of another length"
+                "its layout there), or give it a sequence of another length",
             )
+        if module is None and dim != 0 and len(global_shape) >= 4:
+            self._tell_apart(
+                node, global_shape[0], global_shape[dim],
+                f"{node.target} at {source_of(node)} draws on a tensor of shape {tuple(global_shape)} in a batched "
+                f"graph compiled in a step with batch_dim={dim}: dims 0 and {dim} have one size, so the graph "
+                "cannot tell whether this op is sequence-major as the step declares or batch-major "
+                "(scaled_dot_product_attention's dropout runs on (batch, heads, L, S) in any model). Run the "
+                "attention through nn.MultiheadAttention, or the model batch-first (batch_dim=0)",
+            )
+        if dtensor and dim != 0:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} draws on a DTensor in a batched graph compiled in "
+                f"a step with batch_dim={dim}: DTensor draws in a step are batch-major. Keep the model's DTensor "
+                "activations batch-first (batch_dim=0), or run this model eagerly in the step"
+            )
+        return dim
+
+    def _tell_apart(self, node: fx.Node, a: sympy.Expr, b: sympy.Expr, why: str) -> None:
+        """Refuse ``why`` where sizes ``a`` and ``b`` are one; where they are symbols that
+        differ only in this trace, the runtime refuses a call that makes them one."""
+        difference = sympy.expand(a - b)
+        if difference == 0:
+            raise NotImplementedError(f"compile_rng: {why}")
+        if difference.free_symbols:
+            self.plan.told_apart.append((difference, why))
+
+    def row_numel(self, node: fx.Node, global_shape: tuple, dim: int) -> sympy.Expr:
+        """Elements per batch row of an op whose (DTensor-global) shape ``global_shape`` has
+        the batch at ``dim``; checks that dim is the graph's local batch."""
+        rows = global_shape[dim]
         if self.plan.local_rows is None:
             self.plan.local_rows = rows
         elif sympy.simplify(rows - self.plan.local_rows) != 0:
             raise NotImplementedError(
-                f"compile_rng: {node.target} at {source_of(node)} has dim 0 of size {rows}, but this "
+                f"compile_rng: {node.target} at {source_of(node)} has dim {dim} of size {rows}, but this "
                 f"batched graph's batch has {self.plan.local_rows} rows: in a batched backend every random "
-                "op must be on a batch-major activation (dim 0 = the batch); draw other randomness "
-                "outside the batched region"
+                f"op must have the batch at dim {dim} (the step's batch_dim, or torch's module's layout); "
+                "draw other randomness outside the batched region"
             )
-        return sympy.Mul(*global_shape[1:]) if len(global_shape) > 1 else sympy.Integer(1)
+        return sympy.Mul(*(s for i, s in enumerate(global_shape) if i != dim))
 
     def key_and_offset(self, offset: sympy.Expr, site: int) -> tuple[fx.Node, Any]:
         """Random op ``site``'s key node and its SymInt offset: the key is ``key[:2] ^

@@ -35,7 +35,8 @@ shard's start in the runtime mesh coordinate ``u0``; the node's ``meta`` carries
 op's sharding) and leaves as ``compile_rng.uniform(arg1_1, base + 128*u0, ...)``.
 
 A *batched* graph (:mod:`compile_rng.eager.batches`) has a 4-element key ``[seed, base,
-row_start, rows_total]``: dim 0 of every op is the batch, the op advances by
+row_start, rows_total]``: one dim of every op is the batch (dim 0 unless the step declares
+``batch_dim``; :mod:`compile_rng.passes.batch_rows`), the op advances by
 ``ceil4(rows_total * row_numel)`` and starts ``row_start * row_numel`` into its range.
 Those terms are runtime values, so they are added to the op's key in the graph (int64
 tensor arithmetic on the key), while the rest of the offset stays a SymInt::
@@ -72,6 +73,7 @@ from compile_rng.semantics.random_ops import (
     normalized_arguments,
     unsupported,
 )
+from compile_rng.semantics.rows import batch_counter_strides
 from compile_rng.semantics.spmd import contiguous_strides
 from torch import fx
 
@@ -81,21 +83,27 @@ pending_key = torch.ops.compile_rng.pending_key.default
 class _GraphCall(RandomCall):
     """A plain-tensor random op node, replaced by nodes inserted before it."""
 
-    def __init__(self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter, row_stride: int = 1):
+    def __init__(
+        self, node: fx.Node, key: fx.Node, offset: Any, emitter: SymEmitter, batch_dim: int | None = None,
+        row_stride: int = 1,
+    ):
+        """``batch_dim``: a batched graph's dim of this op's tensor that holds the batch;
+        ``row_stride``: its global rows between two local ones."""
         self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
         self.kw = normalized_arguments(node.target, node.args, node.kwargs)
         val = first_val(node)
         self.dtype = val.dtype
         self.shape = drawn_global_shape(node)
-        self.row_stride = row_stride  # a batched graph's global rows between two local ones
+        self.batch_dim, self.row_stride = batch_dim, row_stride
 
     def size(self):
         return [self.emitter.emit(s) for s in self.shape]
 
     def strides(self):
-        strides = contiguous_strides(self.shape)
-        if strides:
-            strides[0] = strides[0] * self.row_stride
+        if self.batch_dim is None or not self.shape:
+            strides = contiguous_strides(self.shape)
+        else:
+            strides = batch_counter_strides(self.shape, self.batch_dim, self.row_stride)
         return [self.emitter.emit(s) for s in strides]
 
     def emit(self, target, *args):
@@ -278,7 +286,8 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 op_key, base_value = key, emitter.emit(base)
                 advance = ceil4_expr(numel)
             else:
-                row_numel = batch.row_numel(node, global_shape)
+                batch_dim = batch.batch_dim(node, global_shape, pending)
+                row_numel = batch.row_numel(node, global_shape, batch_dim)
                 if pending and plan.row_stride != 1:
                     raise NotImplementedError(
                         f"compile_rng: {info.op} at {source_of(node)} draws on a DTensor in a batched graph "
@@ -298,7 +307,10 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     tuple(expr(c) for c in info.coords), info.mesh, module,
                 )
             else:
-                call = _GraphCall(node, op_key, base_value, emitter, plan.row_stride if batch is not None else 1)
+                call = (
+                    _GraphCall(node, op_key, base_value, emitter) if batch is None
+                    else _GraphCall(node, op_key, base_value, emitter, batch_dim, plan.row_stride)
+                )
                 new = RULES[node.target](call)
                 functional = _functional_node(new)
                 record = RewrittenOp(

@@ -37,19 +37,20 @@ SEQUENCE_MAJOR_MODULES = ("RNN", "LSTM", "GRU", "TransformerEncoderLayer", "Tran
 BATCH_MAJOR_MODULES = ("MultiheadAttention",)
 
 
-def sequence_major_module(node: fx.Node) -> str | None:
-    """The class name of the innermost of torch's modules around ``node`` that may run
-    it on sequence-major activations (:data:`SEQUENCE_MAJOR_MODULES`), None where there is
-    none or a batch-major one is nearer (Dynamo's ``nn_module_stack``)."""
+def torch_module_layout(node: fx.Node) -> tuple[str, bool] | None:
+    """The innermost of torch's modules around ``node`` that says the layout of its random
+    ops' activations (Dynamo's ``nn_module_stack``): ``(class name, True)`` for a batch-major
+    one (:data:`BATCH_MAJOR_MODULES`), ``(class name, False)`` for one that may run them
+    sequence-major (:data:`SEQUENCE_MAJOR_MODULES`), None where there is none."""
     for _path, cls in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
         name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
         module = getattr(cls, "__module__", str(cls))
         if not str(module).startswith("torch.nn"):
             continue
         if name in BATCH_MAJOR_MODULES:
-            return None
+            return name, True
         if name in SEQUENCE_MAJOR_MODULES:
-            return name
+            return name, False
     return None
 
 

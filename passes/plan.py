@@ -96,6 +96,13 @@ class RngPlan:
     #: spacing of the step's rows when the graph compiled (1: a contiguous block;
     #: DistributedSampler deals every world-th row), a constant of the ops' counter strides
     row_stride: int = 1
+    #: batched graphs: the dim of a random op's tensor that holds the batch, as the step the
+    #: graph compiled in declared it (``compile_rng.step(batch_dim=)``), a constant of the
+    #: ops' counter strides; torch's batch-major modules (nn.MultiheadAttention) draw at dim 0
+    batch_dim: int = 0
+    #: batched graphs: size expressions the pass took for different (which dim is the
+    #: batch), with the op they decide; a call where one is 0 is refused
+    told_apart: list[tuple[sympy.Expr, str]] = field(default_factory=list)
     #: positions among the traced graph's inputs (the key not counted) that a plain-tensor
     #: random op's tensor is computed from, and how many inputs that graph has: the
     #: backend refuses a tensor-parallel rank's local piece there (compile_rng.semantics.local_values)

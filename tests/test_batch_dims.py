@@ -7,15 +7,24 @@ activations and ``nn.LSTM``'s dropout between layers runs on ``(seq, batch, hidd
 rank's batch, where taking dim 0 for the batch raised nothing before and drew sequence
 positions as rows. Eagerly, ranks holding halves of the batch (rows dealt explicitly,
 no process group) must produce the one process's output, and without the module rules
-they refuse or differ (the test can fail); compiled batched graphs refuse the shape they
-cannot tell; on real gloo ranks, 3 training steps under DDP=2 with 2 microbatches give
-the one process's losses.
+they refuse or differ (the test can fail); on real gloo ranks, 3 training steps under
+DDP=2 with 2 microbatches give the one process's losses.
+
+The batch is outermost in the counters whichever dim holds it (contract §3.5): a
+sequence-major draw is its batch-first transpose's, against the scalar reference. Compiled
+batched graphs draw the step's declared dim too (a constant of the graph, refused in a
+step that declares another) and give the eager step's values for halves of the batch,
+interleaved rows and, on gloo ranks, DDP=2 with microbatches; the shapes they cannot
+tell apart are refused at compile time or, with dynamic sizes, per call.
 """
 
 from __future__ import annotations
 
 import pytest
+import reference as ref
 import torch
+from dtensor_reference import fake_rank
+from torch.distributed.device_mesh import DeviceMesh
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,8 +56,8 @@ class SequenceMajor(nn.Module):
         return self.head(h).squeeze(-1)  # (seq, batch)
 
 
-def _input(batch: int = BATCH) -> torch.Tensor:
-    return torch.randn(SEQ, batch, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def _input(batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    return torch.randn(seq, batch, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
 def _in_step(model, x, rows=None):
@@ -57,6 +66,10 @@ def _in_step(model, x, rows=None):
     arguments = {} if rows is None else {"global_batch": BATCH, "rows": rows}
     with compile_rng.step(local, batch_dim=1, **arguments):
         return model(x)
+
+
+def _batched():
+    return compile_rng.backend(layout="invariant", batched=True)
 
 
 def test_ranks_holding_halves_of_the_batch_compute_the_one_process_output():
@@ -98,18 +111,106 @@ def test_a_declared_batch_dim_is_checked():
             F.dropout(torch.ones(3, 5), 0.5)
 
 
-def test_a_compiled_batched_graph_refuses_what_it_cannot_tell():
-    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.2, batch_first=False, dtype=torch.float64).train()
-    compiled = torch.compile(layer, backend=compile_rng.backend(layout="invariant", batched=True))
+P = 0.5
+
+
+def draws(x):
+    """Two dropouts and a uniform: the second op's base depends on the global batch."""
+    return F.dropout(F.dropout(torch.ones_like(x), P), P) + torch.rand_like(x)
+
+
+def _draws_in_step(fn, x, batch_dim, rows=None, mesh=None):
+    compile_rng.manual_seed(5)
+    batch = x.shape[batch_dim]
+    arguments = {} if rows is None else {"global_batch": BATCH, "rows": rows}
+    if mesh is not None:
+        arguments = {"global_batch": BATCH, "data_parallel": mesh, "rows": "interleaved"}
+    with compile_rng.step(batch, batch_dim=batch_dim, **arguments):
+        return fn(x)
+
+
+@pytest.fixture(scope="module")
+def compiled_draws():
+    """One batched backend for every call below (halves, interleaved ranks, both dims)."""
     torch._dynamo.reset()
-    square, x = _input(SEQ), torch.ones(SEQ, BATCH)
+    return torch.compile(draws, backend=_batched())
+
+
+def test_a_sequence_major_draw_is_its_batch_first_transpose_at_the_reference_counters(compiled_draws):
+    seq = 3
+    x = torch.zeros(seq, BATCH, D, dtype=torch.float64)
+    eager = _draws_in_step(draws, x, 1)
+    # the scalar reference: element (s, b, d) takes counter b * seq * D + s * D + d of each op's range
+    n = BATCH * seq * D
+    keep = [torch.tensor([ref.keep_bernoulli(5, k * n + i, 1 - P) for i in range(n)]).view(BATCH, seq, D) for k in (0, 1)]
+    uniform = torch.tensor([ref.uniform01(5, 2 * n + i, "float64") for i in range(n)], dtype=torch.float64)
+    expected = (keep[0] & keep[1]) * (1 / (1 - P)) ** 2 + uniform.view(BATCH, seq, D)
+    assert torch.equal(eager, expected.transpose(0, 1))
+    assert compile_rng.get_state() == (5, 3 * n)
+    assert torch.equal(_draws_in_step(draws, x.transpose(0, 1).contiguous(), 0), expected)
+    assert torch.equal(_draws_in_step(compiled_draws, x, 1), eager)
+
+
+def test_compiled_sequence_major_ranks_assemble_to_the_eager_step(compiled_draws):
+    seq = 3
+    x = torch.zeros(seq, BATCH, D, dtype=torch.float64)
+    whole = _draws_in_step(draws, x, 1)
+    half = BATCH // 2
+    halves = [_draws_in_step(compiled_draws, x[:, r * half:(r + 1) * half], 1, list(range(r * half, (r + 1) * half)))
+              for r in range(2)]
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    interleaved = []
+    for rank in range(2):  # DistributedSampler's rows: every other one
+        with fake_rank(rank, 2):
+            interleaved.append(_draws_in_step(compiled_draws, x[:, rank::2], 1, mesh=DeviceMesh("cpu", [0, 1])))
+    assert torch.equal(torch.stack(interleaved, dim=2).flatten(1, 2), whole)
+
+
+def test_torch_sequence_major_modules_compiled_give_the_eager_step():
+    torch._dynamo.reset()
+    model = SequenceMajor().train()
+    compiled = torch.compile(model, backend=_batched())
+    x = _input(seq=5)  # a sequence of another length than the batch or a half of it
+    whole = _in_step(model, x)
+    assert (_in_step(compiled, x) - whole).abs().max() < 1e-12
+    half = BATCH // 2
+    halves = [_in_step(compiled, x[:, r * half:(r + 1) * half], list(range(r * half, (r + 1) * half))) for r in range(2)]
+    assert (torch.cat(halves, dim=1) - whole).abs().max() < 1e-12
+    compile_rng.manual_seed(3)
+    assert not torch.equal(model.eval()(x), whole)  # the dropouts drew
+
+
+def test_a_compiled_batched_graph_refuses_what_it_cannot_tell():
+    torch._dynamo.reset()
+    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.2, batch_first=False, dtype=torch.float64).train()
+    compiled = torch.compile(layer, backend=_batched())
     with pytest.raises(Exception, match="cannot tell which dim is the batch"):
-        with compile_rng.step(SEQ):
-            compiled(square)
-    dropout = torch.compile(lambda t: F.dropout(t, 0.5), backend=compile_rng.backend(layout="invariant", batched=True))
-    with pytest.raises(NotImplementedError, match="draw batch-major .dim 0. only"):
         with compile_rng.step(BATCH, batch_dim=1):
-            dropout(x)
+            compiled(_input(seq=BATCH))
+    # dynamic sizes: the sequence differs from the batch when the graph compiles, not later
+    torch._dynamo.reset()
+    dynamic = torch.compile(layer, backend=_batched(), dynamic=True)
+    with compile_rng.step(BATCH, batch_dim=1):
+        dynamic(_input(seq=5))
+    with pytest.raises(Exception, match="cannot tell which dim is the batch.*this call's sizes"):
+        with compile_rng.step(BATCH, batch_dim=1):
+            dynamic(_input(seq=BATCH))
+    # SDPA's (batch, heads, L, S) dropout in a step that declares batch_dim=1
+    torch._dynamo.reset()
+    attention = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5), backend=_batched())
+    with pytest.raises(Exception, match="cannot tell whether this op is sequence-major"):
+        with compile_rng.step(BATCH, batch_dim=1):
+            attention(torch.ones(BATCH, BATCH, 3, 4))
+
+
+def test_a_compiled_batch_dim_is_a_constant_of_the_graph():
+    torch._dynamo.reset()
+    dropout = torch.compile(lambda t: F.dropout(t, 0.5), backend=_batched())
+    with compile_rng.step(BATCH, batch_dim=1):
+        dropout(torch.ones(3, BATCH))
+    with pytest.raises(NotImplementedError, match="compiled in a step with batch_dim=1 and runs in one with batch_dim=0"):
+        with compile_rng.step(3):
+            dropout(torch.ones(3, BATCH))
 
 
 # --- real ranks ----------------------------------------------------------------------------
@@ -117,12 +218,13 @@ def test_a_compiled_batched_graph_refuses_what_it_cannot_tell():
 STEPS = 3
 
 
-def _train(rank: int, world: int, microbatches: int, out: str) -> None:
+def _train(rank: int, world: int, microbatches: int, out: str, compiled: bool = False, seq: int = SEQ) -> None:
     import torch.distributed as dist
 
     model = SequenceMajor().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.randn(STEPS, SEQ, BATCH, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    forward = torch.compile(model, backend=_batched()) if compiled else model
+    data = torch.randn(STEPS, seq, BATCH, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     local = BATCH // world
     losses = []
     compile_rng.manual_seed(7)
@@ -133,7 +235,7 @@ def _train(rank: int, world: int, microbatches: int, out: str) -> None:
             for m in range(microbatches):
                 part = local // microbatches
                 with st.microbatch(part):
-                    loss = model(x[:, m * part:(m + 1) * part]).square().sum() / (SEQ * BATCH)
+                    loss = forward(x[:, m * part:(m + 1) * part]).square().sum() / (seq * BATCH)
                     loss.backward()
                     total += loss.detach()
         for p in model.parameters():
@@ -153,5 +255,16 @@ def test_ddp_and_microbatches_train_the_one_process_curve(tmp_path):
     _train(0, 1, 1, one)
     ddp = str(tmp_path / "ddp")
     spawn(_train, 2, 2, ddp)
+    single, parallel = torch.load(one), torch.load(ddp)
+    assert max(abs(a - b) / abs(b) for a, b in zip(parallel, single)) < 1e-9
+
+
+@pytest.mark.slow
+def test_compiled_ddp_and_microbatches_train_the_one_process_eager_curve(tmp_path):
+    seq = 5  # a sequence of another length than any rank's or microbatch's rows
+    one = str(tmp_path / "one")
+    _train(0, 1, 1, one, False, seq)
+    ddp = str(tmp_path / "ddp")
+    spawn(_train, 2, 2, ddp, True, seq)
     single, parallel = torch.load(one), torch.load(ddp)
     assert max(abs(a - b) / abs(b) for a, b in zip(parallel, single)) < 1e-9

@@ -67,11 +67,6 @@ def _named() -> list[torch.Tensor]:
         return [model(torch.ones(8, 16)), model(torch.zeros(8, 16))]
 
 
-def _sequence_major_whole_batch() -> list[torch.Tensor]:
-    with compile_rng.step(8, batch_dim=1):  # the whole batch along dim 1: one contiguous run
-        return _fills(torch.ones(8, 8, 3))[:4]
-
-
 def _replica_stream() -> list[torch.Tensor]:
     with eager_stream():  # a compiled call's or an init function's eager code: no rows
         return _fills(torch.ones(3, 7))
@@ -91,7 +86,6 @@ def _checkpointed_backward_after_the_step() -> list[torch.Tensor]:
 SERVED = {
     "whole step": _whole_step, "rows 4-7 of 8": _second_half, "microbatches": _microbatches,
     "step with names": _named, "replica stream": _replica_stream,
-    "sequence-major, the whole batch": _sequence_major_whole_batch,
     "checkpoint recomputed after the step": _checkpointed_backward_after_the_step,
 }
 
@@ -112,6 +106,8 @@ def _not_served_layouts() -> list[torch.Tensor]:
         out += [torch.empty(torch.randn(8, 4, device="meta").shape)[:0]]
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8, batch_dim=1):  # sequence-major: strided counters
         out += [torch.ones(5, 4, 3).bernoulli_(0.5)]
+    with compile_rng.step(8, batch_dim=1):  # the whole batch too: a batch row's counters are consecutive
+        out += [torch.ones(5, 8, 3).bernoulli_(0.5)]
     with compile_rng.step(8, rows=[1, 3, 5, 7, 9, 11, 13, 15], global_batch=16):  # interleaved rows
         out += [torch.ones(8, 4).bernoulli_(0.5)]
     return out

@@ -32,7 +32,7 @@ from compile_rng.eager import dispatch_modes, tracker
 from compile_rng.passes.graph_nodes import module_calls
 from compile_rng.passes.plan import RngPlan
 from compile_rng.semantics import layouts, verify
-from compile_rng.semantics.rows import current_row_stride
+from compile_rng.semantics.rows import current_row_stride, step_batch_dim
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class Backend:
         plan = RngPlan(
             name=graph_name(gm), layout=self.config.layout, collect_unsupported=self.config.collect_unsupported,
             batched=self.config.batched, row_stride=current_row_stride() if self.config.batched else 1,
+            batch_dim=step_batch_dim() if self.config.batched else 0,
         )
         device = graph_device(gm, list(example_inputs))
         if self.config.batched:

@@ -65,5 +65,5 @@ class JointPass(inductor_internals.CustomGraphPass):
             user = self.user_pass.uuid() if isinstance(self.user_pass, inductor_internals.CustomGraphPass) else None
             if user is None:
                 return None
-        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.row_stride,
+        return (source_hash(), self.plan.layout, self.plan.batched, self.plan.row_stride, self.plan.batch_dim,
                 self.plan.collect_unsupported, dynamo_internals.donated_buffers(), user)

@@ -93,7 +93,8 @@ def _renamed(plan: RngPlan, renames: dict[sympy.Symbol, sympy.Symbol]) -> RngPla
         for op in plan.ops
     ]
     return dataclasses.replace(
-        plan, ops=ops, total_advance=rename(plan.total_advance), local_rows=rename(plan.local_rows)
+        plan, ops=ops, total_advance=rename(plan.total_advance), local_rows=rename(plan.local_rows),
+        told_apart=[(rename(e), why) for e, why in plan.told_apart],
     )
 
 

@@ -28,8 +28,10 @@ class BatchKey:
 
     def __init__(self, plan: RngPlan, placeholders: Sequence[fx.Node], device: torch.device):
         self.name, self.device, self.row_stride = plan.name, device, plan.row_stride
+        self.batch_dim = plan.batch_dim
         self.draws = plan.local_rows is not None  # a graph without random ops has no batch
         self.local_rows = SizeFn(plan.local_rows if self.draws else 0, placeholders)
+        self.told_apart = [(SizeFn(e, placeholders), why) for e, why in plan.told_apart]
 
     def rows(self, args: Sequence[Any]) -> Rows:
         count = self.local_rows(args)
@@ -38,12 +40,16 @@ class BatchKey:
             return Rows(0, count, count)
         if rows is None:
             rows = Rows(0, count, count)
-        if step_batch_dim() != 0:
+        elif step_batch_dim() != self.batch_dim:
             raise NotImplementedError(
-                f"compile_rng: the batched graph {self.name} runs in a step that declares batch_dim="
-                f"{step_batch_dim()}: compiled batched graphs draw batch-major (dim 0) only. Run that model "
-                "eagerly in the step, or compile it batch-first"
+                f"compile_rng: the batched graph {self.name} was compiled in a step with batch_dim="
+                f"{self.batch_dim} and runs in one with batch_dim={step_batch_dim()}: the batch dim is a "
+                "constant of the graph's counters. Keep one batch dim per compiled function (compile another "
+                "function for the other), or call torch._dynamo.reset() between them"
             )
+        for difference, why in self.told_apart:
+            if difference(args) == 0:
+                raise NotImplementedError(f"compile_rng: {why} (this call's sizes)")
         if rows.count != count:
             raise ValueError(
                 f"compile_rng: the batched graph {self.name} draws on activations of {count} rows, but the "

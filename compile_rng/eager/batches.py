@@ -229,12 +229,14 @@ def step(
     draw the single process's masks; with stages, ``microbatches`` is the schedule's
     ``n_microbatches`` and each stage's microbatch ``i`` draws at its rows.
 
-    ``batch_dim`` is the dim of the eager random ops' tensors that holds the batch: 0
-    (batch-major), or 1 for sequence-major code (``(seq, batch, ...)``, fairseq's habit).
-    torch's own modules say it themselves and override it inside them
-    (:mod:`compile_rng.eager.batch_dims`: ``nn.LSTM``/``nn.GRU``/``nn.RNN``, the
-    ``nn.Transformer`` layers, ``nn.MultiheadAttention``). Compiled batched graphs draw
-    batch-major only.
+    ``batch_dim`` is the dim of the random ops' tensors that holds the batch: 0
+    (batch-major), or 1 for sequence-major code (``(seq, batch, ...)``, fairseq's habit);
+    either way a batch row takes the outermost counters, so a sequence-major draw is its
+    batch-first transpose's. Eagerly, torch's own modules say it themselves and override
+    it inside them (:mod:`compile_rng.eager.batch_dims`: ``nn.LSTM``/``nn.GRU``/``nn.RNN``,
+    the ``nn.Transformer`` layers, ``nn.MultiheadAttention``); a compiled batched graph
+    draws at the dim of the step it compiled in (``nn.MultiheadAttention``'s at 0) and
+    refuses a step that declares another.
     """
     if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
         raise ValueError(f"compile_rng.step: batch_dim must be 0 or 1, got {batch_dim!r}")

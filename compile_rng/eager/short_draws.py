@@ -13,7 +13,7 @@ Anything else is not served and takes the general path *before* a counter is res
 another op, dtype, device or layout; a subclass (a Parameter, a fake or functional
 tensor); a dispatch mode above; ``generator=``; arguments torch refuses (its own error
 comes from the general path); counters that are not one contiguous run (interleaved rows,
-a batch dim other than 0 on more than one row).
+a sequence-major tensor, whose batch rows take the outermost counters).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ A leaf: the step (:mod:`compile_rng.eager.batches`) sets them; batched graphs
 
 from __future__ import annotations
 
-import math
-
 import contextvars
+import functools
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,19 @@ def reset_step_batch_dim(token: contextvars.Token) -> None:
     _batch_dim.reset(token)
 
 
+def batch_counter_strides(shape: Sequence[Any], dim: int, row_stride: Any = 1) -> list:
+    """Counter strides of a step's random op on a tensor of ``shape`` whose batch is dim
+    ``dim`` (ints or sympy/SymInt sizes): the batch outermost - a batch row's elements take
+    consecutive counters, the other dims row-major in their own order - so a sample draws
+    the same counters whichever dim of the tensor holds the batch (a sequence-major
+    ``(seq, batch, d)`` activation draws what its batch-first ``(batch, seq, d)``
+    transpose would). ``row_stride``: global rows between two local ones."""
+    others = [s for i, s in enumerate(shape) if i != dim]
+    inner = contiguous_strides(others)
+    row = functools.reduce(operator.mul, others, 1)
+    return inner[:dim] + [row * row_stride] + inner[dim:]
+
+
 @dataclass(frozen=True)
 class BatchDim:
     """Which dim of a step's random op's tensor holds the batch: ``dim``; ``heads`` entries
@@ -139,8 +153,8 @@ def batch_window(
     its rows are ``rows`` of the global batch, so element ``idx`` draws the counter of the
     element at ``idx[dim] -> rows.start + idx[dim] * rows.stride`` of the global tensor
     (``global_shape`` with ``rows.total`` along ``dim``; ``batch.heads`` entries a row),
-    contiguous, from a range of ``ceil4`` of its numel - what a batched graph's op draws
-    (:mod:`compile_rng.passes.functionalize_rng`) for contiguous rows along dim 0.
+    the batch outermost (:func:`batch_counter_strides`), from a range of ``ceil4`` of its
+    numel - what a batched graph's op draws (:mod:`compile_rng.passes.functionalize_rng`).
     ``batch_split_by``: the placements of a DTensor whose batch dim is split over ranks
     (interleaved rows are refused: a rank's part of them is not evenly spaced in the
     global batch). A dim the step declares (not a module's checked layout) other than 0
@@ -169,7 +183,7 @@ def batch_window(
         )
     full = [int(s) for s in global_shape]
     full[dim] = rows.total * heads
-    strides = contiguous_strides(full)
+    strides = batch_counter_strides(full, dim)
     offset = rows.start * heads * strides[dim]
     if rows.stride != 1:
         if heads != 1:
