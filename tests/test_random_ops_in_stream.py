@@ -2,7 +2,8 @@
 
 Inside a stream compile_rng replaces torch's random ops. These tests pin that, for each
 op, the stream accepts and refuses exactly what torch does (torch's own exception, its
-type and message: the reference is stock torch run on the same call), returns torch's
+type and message: the reference is stock torch run on the same call; a refused call
+leaves the stream where it was), returns torch's
 dtype, layout and memory format, writes ``out=`` as torch does, and draws the ops torch
 has no counter-based form for in compile_rng (``randperm``, ``multinomial``,
 ``poisson``, ``binomial``, ``_standard_gamma``, ``_sample_dirichlet``): their values are
@@ -85,10 +86,13 @@ def test_the_stream_accepts_and_refuses_what_torch_does(case):
     a result of the same shape, dtype and strides."""
     fn = {**REFUSED, **ACCEPTED}[case]
     stock = _outcome(fn)
+    compile_rng.manual_seed(0)
     with eager_stream():
         mine = _outcome(fn)
     assert mine == stock
     assert (stock[0] == "ok") == (case in ACCEPTED)
+    if case in REFUSED:  # as torch's generator: a refused call draws nothing
+        assert compile_rng.get_state() == (0, 0)
 
 
 def test_complex_draws_are_the_real_views_draws():

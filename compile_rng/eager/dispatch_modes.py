@@ -63,6 +63,7 @@ from compile_rng.semantics.pieces import Pieces
 from compile_rng.semantics.rows import (
     set_rows,
 )
+from compile_rng.stream import contiguous_strides
 
 aten = torch.ops.aten
 
@@ -134,6 +135,31 @@ class _TensorCall(RandomCall):
 
     def apply(self, target, *args, **kwargs):
         return target(*args, **kwargs)
+
+
+class _Accepted(Exception):
+    """A rule reached its first draw: it has checked its arguments."""
+
+
+class _ArgumentCheck(_TensorCall):
+    """A call that runs an op's rule up to its first draw or computation, where the rule
+    has checked its arguments (:func:`_check_arguments`)."""
+
+    def emit(self, target, *args):
+        raise _Accepted
+
+    def apply(self, target, *args, **kwargs):
+        raise _Accepted
+
+
+def _check_arguments(func: OpOverload, kw: dict, size: list, dtype: torch.dtype) -> None:
+    """Raise the :class:`RandomArgumentError` ``func``'s rule raises for arguments ``kw``
+    before it draws, without reserving counters."""
+    functional = INPLACE.get(func, func)
+    try:
+        RULES[functional](_ArgumentCheck(functional, kw, None, 0, contiguous_strides(size), size, dtype))
+    except _Accepted:
+        pass
 
 
 #: How an eager op on a tensor-parallel rank's local piece of a DTensor runs:
@@ -253,7 +279,10 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
 
 
 def _draw_at(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: torch.dtype, device) -> Any:
-    """``func`` drawn at the counters ``counters`` assigns to its ``size``-shaped result."""
+    """``func`` drawn at the counters ``counters`` assigns to its ``size``-shaped result,
+    reserved once its rule has accepted the arguments (as torch, a refused call leaves
+    the stream where it was)."""
+    _check_arguments(func, kw, size, dtype)
     key, offset, strides = counters(func, size, device)
     if isinstance(offset, Pieces):
         return _draw_pieces(func, kw, key, offset, size, dtype)
