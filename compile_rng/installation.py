@@ -34,6 +34,10 @@ the tracker's offsets it runs the op in the tracker's       ops through it, not 
 region                                                      (2.11 has no such branch)
 ``DTensor.to_local`` wrapped: inside compile_rng's eager    a plain TP plan's eager code draws on
 stream it records a shard's local tensor                    those pieces (:mod:`~compile_rng.eager.eager_shards`)
+``ops.compile_rng_word`` added to Inductor's op handlers   a CUDA graph's draws share one Philox
+(its Triton code generator, dtype pass and generic         block among four lanes inside the fused
+handlers), at the first lowering of a CUDA graph's draw    kernel (:mod:`~compile_rng.ops.triton_words`);
+                                                            stock code never names it
 two global module forward hooks (torch's public             ``step(names=...)`` names each eager
 ``register_module_forward_pre_hook`` and                    random op by the module that runs it
 ``register_module_forward_hook``), at the first step        (:mod:`~compile_rng.eager.activation_names`)
@@ -79,7 +83,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from compile_rng import stream
-from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals
+from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals, inductor_internals
 from compile_rng.eager import native_kernels, recomputation, trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
@@ -89,6 +93,7 @@ _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
 _random_op_kernels: list = []  # the torch.library.Library of the random ops' kernels while registered
 _native: list = []  # the C++ kernels' module while they are registered
+_triton_ops: list[str] = []  # the op added to Inductor's op handlers while it is
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
 #: (pyproject's ``torch>=2.11,<2.16``).
@@ -146,6 +151,7 @@ def install() -> None:
     after_import("compile_rng.eager.tracker", _install_tracker)
     after_import("compile_rng.eager.activation_names", _offer_module_hooks)
     after_import("compile_rng.eager.random_kernels", _offer_random_kernels)
+    after_import("compile_rng.ops.triton_words", _offer_triton_op)
 
 
 def uninstall() -> None:
@@ -170,6 +176,10 @@ def uninstall() -> None:
     _module_hooks.clear()
     _unregister_random_kernels()
     after_import("compile_rng.eager.random_kernels", _offer_random_kernels)  # a stream registers them again
+    for name in _triton_ops:
+        inductor_internals.remove_triton_op(name)
+    _triton_ops.clear()
+    after_import("compile_rng.ops.triton_words", _offer_triton_op)  # a CUDA graph's lowering adds it again
     if "manual_seed" in _stock:
         torch.random.manual_seed = _stock["manual_seed"]
         if getattr(torch.manual_seed, "__wrapped__", None) is _stock["hook"]:
@@ -333,6 +343,17 @@ def _install_module_hooks(names: ModuleType) -> None:
     if not _module_hooks:
         _module_hooks.append(nn_module.register_module_forward_pre_hook(names.enter_hook))
         _module_hooks.append(nn_module.register_module_forward_hook(names.leave_hook, always_call=True))
+
+
+def _offer_triton_op(words: ModuleType) -> None:
+    words.set_installer(functools.partial(_add_triton_op, words))
+
+
+def _add_triton_op(words: ModuleType) -> None:
+    # at the first lowering of a CUDA graph's draw: Inductor imported, its op handlers complete
+    if not _triton_ops:
+        inductor_internals.add_triton_op(words.OP, words.codegen, torch.int64)
+        _triton_ops.append(words.OP)
 
 
 def _offer_random_kernels(kernels: ModuleType) -> None:

@@ -115,8 +115,10 @@ def triton_kernels(code: str) -> dict[str, str]:
 
 def jit_source(kernel_source: str) -> str:
     """A generated kernel as a plain ``@triton.jit`` module: Inductor's autotuning
-    decorator (which would compile on the device) dropped, its helpers imported."""
-    body = kernel_source[kernel_source.index("@triton.jit"):]
+    decorator (which would compile on the device) dropped, its helpers imported (the
+    ``@triton.jit`` helper functions the kernel calls come before the decorator)."""
+    start = kernel_source.index("@triton_heuristics.")
+    body = kernel_source[kernel_source.index("@triton.jit"):start] + kernel_source[kernel_source.index("\n@triton.jit", start) + 1:]
     return (
         "import triton\nimport triton.language as tl\n"
         "from torch._inductor.runtime import triton_helpers\n"
@@ -138,13 +140,26 @@ def launch_configs(kernel_source: str) -> list[dict]:
     several, the autotuner picks one by timing them on the GPU."""
     from torch._inductor.runtime import triton_heuristics  # the kernels' config heuristics
 
-    call = kernel_source[kernel_source.index("@triton_heuristics.") + 1:kernel_source.index("\n@triton.jit")]
+    start = kernel_source.index("@triton_heuristics.")
+    call = kernel_source[start + 1:kernel_source.index("\n@triton.jit", start)]
     call = call.rstrip().removesuffix(")") + ", return_configs=True)"
     with _an_h100():
         configs = eval(call, {"triton_heuristics": triton_heuristics,  # noqa: S307 - Inductor's own code
                               "DeviceProperties": DeviceProperties, "__file__": None,
                               **{name: getattr(hints, name) for name in ("AutotuneHint", "ReductionHint", "TileHint")}})
     return [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+
+
+def _literal(kernel_source: str, prefix: str) -> str:
+    """The dict literal after ``prefix`` in a kernel's decorator, its nested braces
+    (a reduction's ``tiling_scores``) included."""
+    start = kernel_source.index(prefix) + len(prefix)
+    depth = 0
+    for end, ch in enumerate(kernel_source[start:], start):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            return kernel_source[start:end + 1]
+    raise ValueError(f"no balanced literal after {prefix!r}")
 
 
 def compile_inputs(kernel_source: str, config: dict) -> dict:
@@ -154,7 +169,7 @@ def compile_inputs(kernel_source: str, config: dict) -> dict:
     constants (the config's block sizes), the attributes (``configs[0]``: 16-divisibility)
     and the options. ``debug`` is Inductor's ``assert_indirect_indexing``."""
     meta = triton_meta(kernel_source)
-    inductor = eval(re.search(r"inductor_meta=(\{.*?\}),\n", kernel_source, re.S).group(1),  # noqa: S307
+    inductor = eval(_literal(kernel_source, "inductor_meta="),  # noqa: S307 - Inductor's own literal
                     {"AutotuneHint": hints.AutotuneHint, "set": set})
     options = {
         "num_warps": config["num_warps"], "num_stages": config["num_stages"],

@@ -230,27 +230,80 @@ def test_the_generated_cuda_kernels_give_the_eager_ops_bits(name, tmp_path):
         assert torch.equal(g.cpu(), w), name
 
 
-#: Compiles a generated kernel for sm_90 in a process without the interpreter; prints
-#: ``ptxas -v``'s resources, the cubin's registers and its SASS length as JSON.
+#: Graphs whose counters start a Philox block (base + offset = 0 mod 2**64 or 2**64 - 4: the
+#: key of the test above, wrapping past 2**64) and run on in order, and graphs whose do not.
+ALIGNED, NOT_ALIGNED = ("dropout + residual", "bernoulli"), ("dropout, then pointwise", "uniform, transposed counters")
+
+
+@pytest.mark.parametrize("xblock", [1024, 16, 4, 2])
+def test_four_lanes_share_a_philox_block_where_their_counters_are_one(xblock, tmp_path, monkeypatch):
+    """A fused kernel draws one Philox block per four lanes where a program's lanes hold
+    whole blocks in order (``compile_rng.ops.triton_words``), else a block per lane. With
+    the per-lane path broken (every word 0), the aligned graphs still give the eager ops'
+    bits in programs of 4 lanes or more - the shared path drew them, tail included (999
+    elements) - and the others do not: each path is the one taken where it should be."""
+    pytest.importorskip("triton")
+    import fake_cuda_inductor
+
+    from compile_rng import ops
+    from compile_rng.ops import lowering, triton_words  # noqa: F401 - registers the lowerings
+
+    broken = triton_words._LANES.replace("return word", "return word * 0")
+    assert broken != triton_words._LANES
+    monkeypatch.setattr(triton_words, "_LANES", broken)
+    key = ops.make_key(2**63 + 0x5EED, 2**64 - 7)
+    for name in ALIGNED + NOT_ALIGNED:
+        fn, specs = FUSED_GRAPHS[name]
+        args = _inputs(specs)
+        code = fake_cuda_inductor.generated_code(fn, [((2,), _I64)] + [(s, d) for s, d, *_ in specs])
+        got = fake_cuda_inductor.interpret(code, [key, *args], str(tmp_path), xblock=xblock)
+        shared = name in ALIGNED and xblock >= 4
+        assert all(torch.equal(g, w) for g, w in zip(got, fn(key, *args))) == shared, name
+
+
+def test_a_kernel_without_helpers_draws_the_eager_bits_inline(tmp_path, monkeypatch):
+    """A template's epilogue (a matmul's, under max-autotune) is rendered from its template,
+    without the helper functions a kernel's source holds: there the words are computed by
+    lines in the kernel's body, a block per lane - run here on the generated 1-D kernels
+    (told they hold no helpers), bitwise equal to the eager ops. (No template kernel is
+    generated without a GPU to tune on: the detection itself is unchecked here.)"""
+    pytest.importorskip("triton")
+    import fake_cuda_inductor
+
+    from compile_rng import ops
+    from compile_rng._torch import inductor_internals
+    from compile_rng.ops import lowering  # noqa: F401 - registers the lowerings
+
+    monkeypatch.setattr(inductor_internals, "triton_kernel_holds_helpers", lambda: False)
+    key = ops.make_key(2**63 + 0x5EED, 2**64 - 7)
+    for name in ALIGNED + NOT_ALIGNED:
+        fn, specs = FUSED_GRAPHS[name]
+        args = _inputs(specs)
+        code = fake_cuda_inductor.generated_code(fn, [((2,), _I64)] + [(s, d) for s, d, *_ in specs])
+        assert "@triton.jit\ndef compile_rng" not in code and "compile_rng_0_word" in code, name
+        got = fake_cuda_inductor.interpret(code, [key, *args], str(tmp_path))
+        assert all(torch.equal(g, w) for g, w in zip(got, fn(key, *args))), name
+
+
+#: Compiles a generated kernel for sm_90 in a process without the interpreter, as the
+#: autotuner's first config would; prints ``ptxas -v``'s resources, the cubin's registers
+#: and its SASS length as JSON.
 _AOT_SCRIPT = """
-import importlib.util, json, sys
+import json, sys
 from compile_rng.debug import gpu_aot
-from compile_rng._torch import triton_internals
-path, name, meta = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-spec = importlib.util.spec_from_file_location("generated", path)
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-attrs = {tuple(k): v for k, v in meta["attrs"]}
-bound = triton_internals.Bound(meta["signature"], {"XBLOCK": meta["XBLOCK"]}, attrs, meta["options"])
-asm = triton_internals.compile_for(getattr(module, name), bound, 90)
-resources, registers, instructions = gpu_aot.inspect(asm, 90, meta["options"])
+path, name, inputs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+inputs["attrs"] = {tuple(k): v for k, v in inputs["attrs"]}
+resources, asm = gpu_aot.compile_source(path, name, 90, **inputs)
+_, registers, instructions = gpu_aot.inspect(asm, 90, inputs["options"])
 print(json.dumps([resources.registers, resources.spills, registers, instructions]))
 """
 
 
-def test_the_generated_dropout_kernel_compiles_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize("graph", ["1-D dropout", "2-D: a row's normalization, then dropout"])
+def test_the_generated_dropout_kernel_compiles_for_sm90_without_spills(graph, tmp_path):
     """The fused dropout Inductor generates for a CUDA graph compiles ahead of time for
-    sm_90 (in a process without the interpreter) with no spills."""
+    sm_90 (in a process without the interpreter) with no spills: a 1-D pointwise kernel
+    (four lanes share a Philox block) and a 2-D persistent reduction (a block per lane)."""
     pytest.importorskip("triton")
     import json
     import os
@@ -261,21 +314,48 @@ def test_the_generated_dropout_kernel_compiles_for_sm90_without_spills(tmp_path)
 
     from compile_rng.ops import lowering  # noqa: F401 - registers the lowerings
 
-    fn, specs = FUSED_GRAPHS["dropout, then pointwise"]
-    code = fake_cuda_inductor.generated_code(fn, [((2,), _I64)] + [(s, d) for s, d, *_ in specs])
+    if graph == "1-D dropout":
+        fn, specs = FUSED_GRAPHS["dropout, then pointwise"]
+        inputs = [(s, d) for s, d, *_ in specs]
+    else:
+        fn, inputs = (lambda key, x: (_OPS.dropout(key, 0, x / x.sum(-1, keepdim=True), [64, 1], 0.3)[0],)), [((64, 64), _F32)]
+    code = fake_cuda_inductor.generated_code(fn, [((2,), _I64)] + inputs)
     ((name, source),) = fake_cuda_inductor.triton_kernels(code).items()
+    import re
+
+    (block,) = set(re.findall(r"= compile_rng_word\d+\(\w+, \w+, (\w+)\)", source))
+    assert block == ("XBLOCK" if graph == "1-D dropout" else "1"), source  # the 2-D tile: a block per lane
     path = tmp_path / "generated_kernel.py"
     path.write_text(fake_cuda_inductor.jit_source(source))
-    meta = fake_cuda_inductor.triton_meta(source)
-    payload = {
-        "signature": {k: v for k, v in meta["signature"].items() if v != "constexpr"} | {"XBLOCK": "constexpr"},
-        "attrs": [[list(k), v] for k, v in meta["configs"][0].items()],
-        "options": {"num_warps": 4, "enable_fp_fusion": meta["enable_fp_fusion"]},
-        "XBLOCK": 1024,  # Inductor's usual pointwise block for 1000 elements, 4 warps
-    }
+    inputs = fake_cuda_inductor.compile_inputs(source, fake_cuda_inductor.launch_configs(source)[0])
+    inputs["attrs"] = [[list(k), v] for k, v in inputs["attrs"].items()]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(path), name, json.dumps(payload)],
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(path), name, json.dumps(inputs)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     registers, spills, cubin_registers, instructions = json.loads(done.stdout.strip().splitlines()[-1])
     assert spills == 0 and registers == cubin_registers and instructions > 0
+
+
+def test_uninstall_takes_the_inductor_op_back_and_the_next_cuda_graph_adds_it_again():
+    """``ops.compile_rng_word`` is in Inductor's op handlers from the first lowering of a
+    CUDA graph's draw until ``uninstall()``, which takes it back; a later CUDA graph's
+    lowering adds it again."""
+    pytest.importorskip("triton")
+    import fake_cuda_inductor
+    from torch._inductor.codegen.triton import TritonOverrides
+    from torch._inductor.ops_handler import DefaultHandler
+
+    from compile_rng.ops import lowering, triton_words  # noqa: F401 - registers the lowerings
+
+    fn, specs = FUSED_GRAPHS["dropout + residual"]
+    inputs = [((2,), _I64)] + [(s, d) for s, d, *_ in specs]
+    fake_cuda_inductor.generated_code(fn, inputs)
+    assert triton_words.OP in vars(TritonOverrides) and triton_words.OP in vars(DefaultHandler)
+    compile_rng.uninstall()
+    try:
+        assert triton_words.OP not in vars(TritonOverrides) and triton_words.OP not in vars(DefaultHandler)
+        assert "compile_rng_word" in fake_cuda_inductor.generated_code(fn, inputs)
+        assert triton_words.OP in vars(TritonOverrides)
+    finally:
+        compile_rng.install()

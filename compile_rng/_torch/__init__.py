@@ -24,11 +24,13 @@ reads them through these homes, with two kinds of exception, listed here for
   compile (``autograd_cache_keys``, ``rank_free_mesh_cache_keys``), ``torch.compile``'s
   default backend for a block (``compiles_with``: ``compile_rng.library_compiles``), a DTensor dispatch
   patch that lasts for a block (``dtensor_operands_kept``), which traced code below the
-  installer uses, and one on pipeline stages that lasts for a step
-  (``pipeline_chunks_wrapped``);
+  installer uses, one on pipeline stages that lasts for a step
+  (``pipeline_chunks_wrapped``), and the helper functions a lowering adds to the source of
+  the one Triton kernel being generated (``triton_helper``);
 * :data:`INSTALLER_ONLY`: the accessors that set or hand out torch's mutable state
   (DTensor's tracker slot, handler table and dispatcher, and the dispatcher's per-thread
-  reading of the table), which only the installer calls.
+  reading of the table; Inductor's op handlers, to which the installer adds one op), which
+  only the installer calls.
 """
 
 #: ``(home, function)`` of each function of a home that changes torch for one call or the
@@ -40,13 +42,16 @@ TEMPORARY_PATCHES: tuple[tuple[str, str], ...] = (
     ("inductor_internals", "rank_free_mesh_cache_keys"),
     ("dtensor_internals", "dtensor_operands_kept"),
     ("distributed_internals", "pipeline_chunks_wrapped"),
+    ("inductor_internals", "triton_helper"),
 )
 
-#: Accessors of ``dtensor_internals`` that set or hand out torch's mutable state: only
+#: Accessors of the homes that set or hand out torch's mutable state: only
 #: compile_rng.installation calls them (DTensor's tracker slot, its per-op handler table,
-#: its op dispatcher, and the dispatcher's per-thread reading of that table).
+#: its op dispatcher, and the dispatcher's per-thread reading of that table; an op added
+#: to and removed from Inductor's op handlers).
 INSTALLER_ONLY: tuple[str, ...] = (
     "set_rng_tracker", "dtensor_op_handlers", "dtensor_op_dispatcher", "set_op_handlers_per_thread",
+    "add_triton_op", "remove_triton_op",
 )
 
 #: ``(module path, class, private name, reason with the torch versions checked)`` of each

@@ -4,13 +4,17 @@ decompositions, caches and vector ISA, and what the lowerings build (the lazy na
 imports Inductor then).
 
 One temporary patch lives here, beside what it patches, lasting only for the backend's
-own compile: :func:`rank_free_mesh_cache_keys`.
+own compile: :func:`rank_free_mesh_cache_keys`; and :func:`triton_helper` adds a helper
+function to the source of the one Triton kernel being generated. The installer alone
+adds an op to Inductor's op handlers and removes it (:func:`add_triton_op`,
+:func:`remove_triton_op`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +23,8 @@ from torch import fx
 from compile_rng._torch.core_internals import lazy_attributes
 
 __all__ = [  # and the lazy names of _LAZY, added below
+    "add_triton_op",
+    "remove_triton_op",
     "inductor_cache_dir",
     "inductor_caches_off",
     "inductor_compile",
@@ -26,6 +32,11 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "inductor_options",
     "inductor_vector_isa",
     "rank_free_mesh_cache_keys",
+    "triton_block",
+    "triton_compute_lines",
+    "triton_helper",
+    "triton_kernel_holds_helpers",
+    "triton_new_name",
 ]
 
 
@@ -121,6 +132,91 @@ def inductor_options(mode: str | None, options: dict | None) -> dict:
             )
         patches[name] = value
     return patches
+
+
+def _op_tables() -> tuple:
+    """The classes an op of Inductor's IR needs a method in: the Triton code generator
+    (``TritonOverrides``, which ``TritonKernelOverrides`` extends), the dtype pass
+    (``DtypePropagationOpsHandler``) and the handlers that treat every op alike
+    (``DefaultHandler``'s subclasses: index analysis, the kernel formatter, the memory
+    counters), which otherwise warn "undefined OpHandler" once per use (2.11-2.15)."""
+    from torch._inductor.codegen.triton import TritonOverrides
+    from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
+    from torch._inductor.ops_handler import DefaultHandler
+
+    return TritonOverrides, DtypePropagationOpsHandler, DefaultHandler
+
+
+def add_triton_op(name: str, codegen: Callable[..., str], dtype: torch.dtype) -> None:
+    """Make ``ops.<name>(*args)`` a pointwise op of Inductor's IR that a Triton kernel
+    emits as the expression ``codegen(*args)`` (its arguments' Triton expressions) and
+    whose value has ``dtype``; only Triton kernels can emit it. Inductor has no public way
+    to add an op to its handlers (:func:`_op_tables`); stock code never names it."""
+    triton, dtypes, default = _op_tables()
+    setattr(triton, name, staticmethod(codegen))
+    setattr(dtypes, name, staticmethod(lambda *args: dtype))
+    setattr(default, name, default._call_default(name))
+
+
+def remove_triton_op(name: str) -> None:
+    """Take back what :func:`add_triton_op` added for ``name``."""
+    for table in _op_tables():
+        if name in vars(table):
+            delattr(table, name)
+
+
+def triton_helper(template: str, base_name: str) -> str:
+    """Add the ``@triton.jit`` function ``template`` (its name as ``{name}``, every other
+    brace doubled: Inductor ``str.format``s it) to the source of the Triton kernel being
+    generated, once per kernel; its name there (``TritonKernel.helper_functions``, 2.11-2.15)."""
+    from torch._inductor.virtualized import V
+
+    return V.kernel.helper_functions.add(template, base_name=base_name)
+
+
+def triton_kernel_holds_helpers() -> bool:
+    """Whether the Triton kernel being generated splices its helper functions into its
+    source (:func:`triton_helper`): not a template's (``TritonTemplateKernel``: its source
+    is rendered from the template, with no helpers; a matmul's fused epilogue), 2.11-2.15."""
+    from torch._inductor.select_algorithm import TritonTemplateKernel
+    from torch._inductor.virtualized import V
+
+    return not isinstance(V.kernel, TritonTemplateKernel)
+
+
+_names_asked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def triton_new_name(prefix: str) -> str:
+    """A name for values the kernel being generated does not hold yet: ``prefix`` and a
+    count of the names asked of that kernel (deterministic: the same graph gives the same
+    source, so Inductor's caches keep hitting)."""
+    from torch._inductor.virtualized import V
+
+    count = _names_asked.get(V.kernel, 0)
+    _names_asked[V.kernel] = count + 1
+    return f"{prefix}{count}"
+
+
+def triton_compute_lines(lines: list[str]) -> None:
+    """Append ``lines`` to the computations of the kernel being generated (its ``compute``
+    buffer, where the ops of its body are written before what reads them)."""
+    from torch._inductor.virtualized import V
+
+    V.kernel.compute.writelines(lines)
+
+
+def triton_block() -> str | None:
+    """The block of the Triton kernel being generated, where it is one-dimensional (its
+    ``XBLOCK``, or the constant it was given), else None (``TritonKernel``'s range trees,
+    2.11-2.15)."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.virtualized import V
+
+    kernel = V.kernel
+    if not isinstance(kernel, TritonKernel) or kernel.triton_tensor_ndim() != 1:
+        return None
+    return kernel.dense_size_list()[0]
 
 
 # --- names imported on first use ---------------------------------------------------------

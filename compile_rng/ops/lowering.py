@@ -30,10 +30,12 @@ inside the Triton kernel of what reads it (``dropout(x) + residual`` is one kern
 stock Inductor), where a call of the eager Triton kernel
 (:mod:`compile_rng.stream.triton_kernels`) wrote values and mask to memory for the next
 kernel to read back (2.2-2.8x stock Inductor's ``dropout(x) + residual`` on an H200).
-Each element computes its own Philox block (an Inductor pointwise body sees one element),
-where the eager kernel shares a block among four: sm_90 counts of 63-73 instructions per
-element against the eager kernel's 28-33 (``benchmarks/aot_gpu.py --per-element``) - the
-cost of fusing, as in stock Inductor before torch 2.13. ``normal`` and ``exponential``
+An Inductor pointwise body sees one element, so the word of a counter is one op of its
+own there (:mod:`compile_rng.ops.triton_words`): a Triton helper that computes one Philox
+block per four lanes where a program's lanes hold whole blocks in order (checked on the
+counters at run time), else a block per lane: sm_90 counts of 35-52 instructions per
+element (63-73 with a block per element) against the eager kernel's 28-33 and stock
+Inductor's 28-37 (``benchmarks/aot_gpu.py --per-element``). ``normal`` and ``exponential``
 (their transcendental functions) and a ``uniform`` whose scaling an FMA would round
 (:func:`_scaling_exact`) stay calls there.
 The generated Triton is checked bitwise against the eager ops, in Triton's interpreter
@@ -63,6 +65,7 @@ from compile_rng._torch.inductor_internals import (
 )
 from compile_rng._torch.inductor_internals import inductor_ir as ir
 from compile_rng._torch.inductor_internals import inductor_ops as ops
+from compile_rng.ops import triton_words
 
 
 class InductorMath:
@@ -116,8 +119,10 @@ class _Counter:
     def word(self, index: Sequence[sympy.Expr], c2: int = 0) -> Any:
         m = self.m
         rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
-        key = stream.key_words(m, self.key_loader([sympy.Integer(0)]))
         base = self.key_loader([sympy.Integer(1)])
+        if m.wraps and c2 == 0:  # a Triton kernel: four lanes share a block where they can
+            return triton_words.word(self.key_loader([sympy.Integer(0)]), ops.add(base, ops.index_expr(rel, _I64)))
+        key = stream.key_words(m, self.key_loader([sympy.Integer(0)]))
         block_lo, block_hi, lane = stream.block_and_lane(m, base, ops.index_expr(rel, _I64))
         ctr = [block_lo, block_hi, m.const(c2, _I64), m.const(0, _I64)]
         return stream.philox_word(m, stream.philox4x32_10(m, ctr, key), lane)
