@@ -84,10 +84,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from compile_rng import stream
 from compile_rng._torch import core_internals, dtensor_internals, dynamo_internals, inductor_internals
-from compile_rng.eager import native_kernels, recomputation, trunc_normal
+from compile_rng.eager import dispatch_modes, draw_counters, native_kernels, recomputation, short_draws, trunc_normal
 from compile_rng.import_hooks import after_import, cancel_pending
 from compile_rng.semantics import local_values
-from compile_rng.stream import state
+from compile_rng.stream import cpu_kernel, state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
@@ -390,9 +390,11 @@ def _register_random_kernels(kernels: ModuleType) -> None:
                 library.impl(op, python_kernel, key, with_keyset=True)
     if native is not None:
         _native.append(native)
+        native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(),
+                        cpu_kernel.fast_f32_address(), sorted(draw_counters.watched_codes()))
         for op, by_key in stocks.items():
             name, _, overload = op.name().partition(".")
-            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY)
+            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY, op is short_draws.LANE_OP)
 
 
 def _unregister_random_kernels() -> None:

@@ -5,6 +5,11 @@ step has. Each scenario runs twice from the same seed, with the short path and w
 switched off; the scenarios the short path serves are checked to have been served (else
 the comparison would be vacuous), those it must not serve to have not been.
 
+Dropout's ``bernoulli_`` has a lane in the C++ kernel in front of the short path
+(``csrc/random_op_kernels.cpp``), which takes its counters from ``short_draws.lane_counter``:
+the comparisons of the short path switch it off; the lane is compared the same way with
+everything switched off, and counted through ``lane_counter`` where it must (or must not) serve.
+
 The short path is also checked on its own against the independent scalar reference
 (``reference.py``: the single-device stream at global row-major counters), in one process
 at a rank's rows and on real gloo ranks."""
@@ -141,6 +146,7 @@ def _both_ways(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
             return kernel(seed, base, size, strides, mean, std, out=out)
         return call
 
+    monkeypatch.setattr(short_draws, "lane_counter", lambda size: None)  # the C++ lane: its own test
     monkeypatch.setattr(short_draws, "fast_f32", recorded(short_draws.fast_f32, True))
     monkeypatch.setattr(cr_ops, "fast_f32", recorded(cr_ops.fast_f32, False))
     monkeypatch.setattr(short_draws, "normal_f32", recorded_normal(short_draws.normal_f32, True))
@@ -168,6 +174,67 @@ def test_the_short_path_draws_what_the_general_path_draws(name, monkeypatch):
     short, general, served = _both_ways(SERVED[name], monkeypatch)
     assert served > 0, "the short path served nothing: the comparison says nothing"
     _assert_same(short, general)
+
+
+def _counting(monkeypatch, served: list, kernels: tuple[str, ...] = ()) -> None:
+    """Count in ``served`` the draws the C++ lane serves (``lane_counter`` reserved their
+    counters) and the calls of ``short_draws``' ``kernels``."""
+    lane = short_draws.lane_counter
+
+    def counted(size):
+        got = lane(size)
+        served.extend([] if got is None else [1])
+        return got
+
+    monkeypatch.setattr(short_draws, "lane_counter", counted)
+    for name in kernels:
+        kernel = getattr(short_draws, name)
+        monkeypatch.setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
+
+
+def _lane_and_general(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
+    """(a run with the C++ lane on, one on the general path only, draws the lane served)."""
+    served: list = []
+    _counting(monkeypatch, served)
+    lane = _run(scenario)
+    monkeypatch.setattr(short_draws, "lane_counter", lambda size: None)
+    monkeypatch.setattr(dispatch_modes, "short_draw", lambda *a: short_draws.NOT_SERVED)
+    return lane, _run(scenario), len(served)
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
+    """Dropout's ``bernoulli_`` on the C++ kernel's lane: the general path's values, stream
+    position and recorded counters, in every kind of step (names, microbatches, a rank's
+    rows, a checkpoint recomputed in the backward after the step)."""
+    lane, general, served = _lane_and_general(SERVED[name], monkeypatch)
+    assert served > 0, "the lane served nothing: the comparison says nothing"
+    _assert_same((*lane, []), (*general, []))
+
+
+def _lane_declines() -> list[torch.Tensor]:
+    """Dropouts the lane leaves to the Python kernel: under torch's modules that say the
+    batch dim (their frames are on the stack)."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5, batch_first=False)
+    lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.5)
+    with compile_rng.step(4):
+        x = torch.ones(4, 3, 8)
+        out = [attention(x, x, x)[0], attention(x, x, x, need_weights=False)[0]]
+    with compile_rng.step(3):
+        out += [layer(torch.ones(5, 3, 8)), lstm(torch.ones(5, 3, 8))[0]]
+    return out
+
+
+def test_the_c_lane_declines_what_it_does_not_serve(monkeypatch):
+    """Not-served layouts and every :func:`_lane_declines` case: the lane reserves nothing
+    (the Python kernel serves them), and the values are the general path's."""
+    for scenario in (_not_served_layouts, _lane_declines):
+        lane, general, served = _lane_and_general(scenario, monkeypatch)
+        assert served == 0, scenario.__name__
+        _assert_same((*lane, []), (*general, []))
+        monkeypatch.undo()
 
 
 def test_other_layouts_dtypes_and_arguments_take_the_general_path(monkeypatch):
@@ -222,6 +289,10 @@ def test_a_draw_under_a_users_dispatch_mode(monkeypatch):
     short, general, served = _both_ways(scenario, monkeypatch)
     assert served == 2 and torch.ops.aten.bernoulli_.float in seen
     _assert_same(short, general)
+    monkeypatch.undo()
+    lane, general, served = _lane_and_general(scenario, monkeypatch)  # the C++ lane likewise
+    assert served == 2
+    _assert_same((*lane, []), (*general, []))
 
 
 SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
@@ -252,10 +323,8 @@ def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
 
 
 def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch):
-    served = []
-    kernels = {name: getattr(short_draws, name) for name in ("fast_f32", "normal_f32")}
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
+    served: list = []
+    _counting(monkeypatch, served, ("fast_f32", "normal_f32"))
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
@@ -266,10 +335,8 @@ def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch)
 def _gloo_body(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
-    served = []
-    kernels = {name: getattr(short_draws, name) for name in ("fast_f32", "normal_f32")}
-    for name, kernel in kernels.items():
-        setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
+    served: list = []
+    _counting(pytest.MonkeyPatch(), served, ("fast_f32", "normal_f32"))  # this process ends with the body
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, data_parallel=dist.group.WORLD):
         drawn = _draws(4)

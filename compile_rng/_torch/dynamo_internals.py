@@ -35,6 +35,7 @@ __all__ = [
     "donated_buffers",
     "disable_dynamo",
     "eager_contextmanager",
+    "frame_hook_getter",
     "dynamo_module_call",
     "dynamo_module_path",
     "dynamo_module_source",
@@ -69,6 +70,13 @@ def never_traced(code: Any) -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(code)
+
+
+def frame_hook_getter() -> Any:
+    """A C function returning Dynamo's frame hook on this thread, None where it is off: the
+    C++ random-op kernels call it to know whether Python they call would be compiled
+    (``torch._C._dynamo.eval_frame.get_eval_frame_callback``, private; 2.11.0-2.15.0)."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 class _EagerContext:

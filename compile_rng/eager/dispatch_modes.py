@@ -475,10 +475,12 @@ def _narrow_operand(value, out_ndim: int, dim: int, full: int, start: int, lengt
     return value.narrow(own, start, length)
 
 
-def _stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
+def stream_op(func: OpOverload, args: tuple, kwargs: dict, stock: Callable) -> Any:
     """The eager stream's handler of a random op on plain tensors (a
     :mod:`~compile_rng.eager.random_kernels` kernel's): drawn as a replica, or as its
-    piece where a tensor-parallel rank's recorded local piece is among the operands."""
+    piece where a tensor-parallel rank's recorded local piece is among the operands.
+    Dropout's ``bernoulli_`` in its streams may never reach it: the C++ kernel's lane
+    serves the common call (:func:`~compile_rng.eager.short_draws.lane_counter`)."""
     if local_values.touches((args, kwargs)):
         return _local_piece_dispatch[0](func, args, kwargs)
     drawn = short_draw(func, args, kwargs)
@@ -532,13 +534,13 @@ def _drawing() -> Iterator[None]:
     """Random ops on plain tensors draw from the stream in the block; a nested block
     leaves following pieces to the outermost, whose pieces outlive the inner block."""
     if _stream.get() is not None:
-        with random_kernels.drawing(_stream_op):
+        with random_kernels.drawing(stream_op):
             yield
         return
     stream = _Stream()
     token = _stream.set(stream)
     try:
-        with random_kernels.drawing(_stream_op), local_values.recording(stream.follow_pieces):
+        with random_kernels.drawing(stream_op), local_values.recording(stream.follow_pieces):
             yield
     finally:
         _stream.reset(token)

@@ -124,15 +124,17 @@ def draw_rows() -> Rows | ScatteredRows | None:
 
 
 # draws with no batch dim: a permutation is drawn whole, as a replica, inside a step too
-_WHOLE = {aten.randperm.default}
+# (a tuple: ``in`` compares by identity, where a set would call OpOverload's Python __hash__)
+_WHOLE = (aten.randperm.default,)
 
 
-def plain_window(func: OpOverload, size: Sequence[int]) -> tuple[int, int, list[int]]:
+def plain_window(func: OpOverload, size: Sequence[int], walked: bool = False) -> tuple[int, int, list[int]]:
     """``(advance, offset, counter strides)`` of a draw of ``func`` on a plain tensor of
     ``size`` here: a replica on a one-rank mesh; inside a step, rows of the batch, along
-    the dim torch's module or the step says. Reserves nothing."""
+    the dim torch's module or the step says. ``walked``: the caller found none of the
+    :func:`watched_codes` on the stack. Reserves nothing."""
     rows = None if func in _WHOLE else draw_rows()
-    batch = read_stack(func, size, rows is not None)
+    batch = _declared(rows is not None) if walked else read_stack(func, size, rows is not None)
     advance, offset, strides = window(func, size, ceil4(math.prod(size)), rows, batch=batch)
     return advance, offset, strides if strides is not None else contiguous_strides(size)
 
@@ -158,9 +160,8 @@ def read_stack(func: OpOverload, shape: Sequence[int], in_a_step: bool) -> Batch
     (:mod:`~compile_rng.eager.batch_dims`, checked against ``shape``), else the step's.
     The frames are never kept: a list of them held in a frame on the stack is a cycle
     that keeps every caller's locals alive."""
-    global _replay_codes
     if _replay_codes is None:
-        _replay_codes = frozenset(map(id, rng_state_replay_codes()))
+        watched_codes()
     rules, found = batch_dims.RULES_BY_CODE, None
     for frame in stack_frames():
         code = id(frame.f_code)
@@ -168,6 +169,20 @@ def read_stack(func: OpOverload, shape: Sequence[int], in_a_step: bool) -> Batch
             raise replay_error(func)
         if in_a_step and found is None and code in rules:  # a set lookup per frame: the walk is per draw
             found = batch_dims.said_by(frame, shape)
-    if found is not None:
-        return found
-    return BatchDim(step_batch_dim()) if in_a_step else BATCH_MAJOR
+    return found if found is not None else _declared(in_a_step)
+
+
+def _declared(in_a_step: bool) -> BatchDim:
+    """The batch dim where no module on the stack says it: the step's."""
+    dim = step_batch_dim() if in_a_step else 0
+    return BatchDim(dim) if dim else BATCH_MAJOR  # a frozen dataclass costs ~0.5 us to make
+
+
+def watched_codes() -> frozenset[int]:
+    """``id`` of every code object :func:`read_stack` looks for: torch's generator replays
+    and the modules whose batch dim :mod:`~compile_rng.eager.batch_dims` reads. A caller that
+    walks the stack itself (the C++ lane) and finds none of them passes ``walked``."""
+    global _replay_codes
+    if _replay_codes is None:
+        _replay_codes = frozenset(map(id, rng_state_replay_codes()))
+    return _replay_codes | frozenset(batch_dims.RULES_BY_CODE)

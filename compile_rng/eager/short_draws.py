@@ -27,6 +27,7 @@ from compile_rng import stream
 from compile_rng.ops import make_key
 from compile_rng._torch.core_internals import OpOverload, current_dispatch_mode
 from compile_rng.eager import draw_counters
+from compile_rng.semantics import local_values
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.random_ops import is_probability, normalized_arguments, uniform_fault
 from compile_rng.stream.cpu_kernel import FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32
@@ -54,15 +55,43 @@ def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if served is None:
         return NOT_SERVED
     size, target, fill = served
-    advance, offset, strides = draw_counters.plain_window(func, size)
-    if not stream.contiguous_stream(size, strides):
+    reserved = _reserve(func, size)
+    if reserved is None:
         return NOT_SERVED
+    seed, first, strides = reserved
+    out = torch.empty(size, dtype=torch.float32) if target is None else target
+    fill(out, seed, first, strides)
+    return out
+
+
+#: the op the C++ lane serves (:mod:`compile_rng.eager.native_kernels`): dropout's
+LANE_OP = aten.bernoulli_.float
+
+
+def lane_counter(size: tuple[int, ...]) -> tuple[int, int] | None:
+    """The C++ lane's counters: ``(seed, counter of element 0)`` of ``bernoulli_(p)`` on a
+    tensor of ``size`` drawn here, reserved, or None (nothing reserved: the call takes the
+    Python kernel). The lane has checked all the rest the short path checks (``p`` a
+    probability, a dense float32 CPU tensor, no generator, no dispatch mode, this thread's
+    eager stream) and walked the stack (none of :func:`draw_counters.watched_codes` on it);
+    here: no tensor-parallel piece recorded, one contiguous run of counters."""
+    if local_values.any_recorded():
+        return None
+    reserved = _reserve(LANE_OP, list(size), walked=True)
+    return None if reserved is None else (reserved[0], reserved[1] % 2**64)
+
+
+def _reserve(func: OpOverload, size: list[int], walked: bool = False) -> tuple[int, int, list[int]] | None:
+    """``(seed, counter of element 0, counter strides)`` of a draw of ``func`` on a plain
+    tensor of ``size`` here, reserved (and recorded), or None where its counters are not
+    one contiguous run (nothing reserved). ``walked``: as :func:`draw_counters.plain_window`'s."""
+    advance, offset, strides = draw_counters.plain_window(func, size, walked)
+    if not stream.contiguous_stream(size, strides):
+        return None
     seed, base = draw_position(func, advance, _CPU)
     if draw_counters.recording():
         draw_counters.record(draw_counters.Counters(make_key(seed, base), offset, tuple(strides), tuple(size)))
-    out = torch.empty(size, dtype=torch.float32) if target is None else target
-    fill(out, seed, base + offset, strides)
-    return out
+    return seed, base + offset, strides
 
 
 def _dense(t: Any) -> bool:

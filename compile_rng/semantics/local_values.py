@@ -90,6 +90,11 @@ def lookup(tensor: Any) -> Layout | Lost | None:
     return _values.get(tensor)
 
 
+def any_recorded() -> bool:
+    """Whether any tensor has a recorded layout now."""
+    return bool(_values)
+
+
 def touches(args: Any) -> bool:
     """Whether any tensor among ``args`` (any nesting) has a recorded layout."""
     return bool(_values) and any(isinstance(a, torch.Tensor) and a in _values for a in tree_leaves(args))

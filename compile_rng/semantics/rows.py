@@ -9,9 +9,7 @@ A leaf: the step (:mod:`compile_rng.eager.batches`) sets them; batched graphs
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,10 +121,10 @@ def batch_counter_strides(shape: Sequence[Any], dim: int, row_stride: Any = 1) -
     the same counters whichever dim of the tensor holds the batch (a sequence-major
     ``(seq, batch, d)`` activation draws what its batch-first ``(batch, seq, d)``
     transpose would). ``row_stride``: global rows between two local ones."""
-    others = [s for i, s in enumerate(shape) if i != dim]
+    others = [*shape[:dim], *shape[dim + 1:]]
     inner = contiguous_strides(others)
-    row = functools.reduce(operator.mul, others, 1)
-    return inner[:dim] + [row * row_stride] + inner[dim:]
+    inner.insert(dim, math.prod(others) * row_stride)
+    return inner
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,8 @@ def batch_window(
     the layout of ``scaled_dot_product_attention``'s dropout, ``(batch, heads, L, S)`` in any
     model, which the step's declaration cannot tell from ``(seq, batch, ...)``."""
     dim, heads = batch.dim, batch.heads
-    said = batch.why or ("the step's batch_dim" if dim else "the step's default")
     if len(global_shape) <= dim or int(global_shape[dim]) != rows.count * heads:
+        said = batch.why or ("the step's batch_dim" if dim else "the step's default")
         per_row = f" ({heads} entries a row: {batch.why})" if heads != 1 else ""
         raise NotImplementedError(
             f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
@@ -181,7 +179,7 @@ def batch_window(
             "attention through nn.MultiheadAttention (whose layout compile_rng reads), or the model batch-first "
             "(batch_dim=0)"
         )
-    full = [int(s) for s in global_shape]
+    full = list(map(int, global_shape))
     full[dim] = rows.total * heads
     strides = batch_counter_strides(full, dim)
     offset = rows.start * heads * strides[dim]

@@ -344,21 +344,21 @@ def contiguous_stream(size: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether element ``i`` (row-major) has counter ``base + i``: the layout of a fresh
     replica, and the one the vectorized kernels serve."""
     expected = 1
-    for s, st in zip(reversed(list(size)), reversed(list(strides))):
-        if s != 1 and st != expected:
+    for i in range(len(size) - 1, -1, -1):
+        if size[i] != 1 and strides[i] != expected:
             return False
-        expected *= s
+        expected *= size[i]
     return True
 
 
 def contiguous_strides(shape: Sequence[Any]) -> list:
     """Row-major strides of ``shape``: element ``idx`` of a replica has counter
     ``base + sum(idx * strides)`` (ints or SymInts)."""
-    strides, acc = [], 1
-    for s in reversed(list(shape)):
-        strides.append(acc)
-        acc = acc * s
-    return strides[::-1]
+    strides, acc = [1] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        strides[i] = acc
+        acc = acc * shape[i]
+    return strides
 
 
 # --- the implementations of this contract ---------------------------------------------

@@ -281,6 +281,12 @@ def fast_f32(
     return out, mask
 
 
+def fast_f32_address() -> int:
+    """The address of :func:`fast_f32`'s C function (``cr_fast_f32`` in ``csrc/philox.c``)
+    in this process's build, for C++ callers."""
+    return ctypes.cast(_library().cr_fast_f32, ctypes.c_void_p).value
+
+
 def philox_words(
     seed: int,
     base: int,
