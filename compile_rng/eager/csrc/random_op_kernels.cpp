@@ -98,9 +98,9 @@ bool watched_frame_on_stack() {
   return false;
 }
 
-// Whether `object.name` is `expected` (identity), or, with `ident`, the int `ident`.
-bool attribute_is(PyObject* object, const char* name, PyObject* expected, unsigned long ident = 0) {
-  PyObject* value = PyObject_GetAttrString(object, name);
+// Whether `object.name` is `expected` (identity), or, without one, the int `ident`.
+bool attribute_is(PyObject* object, PyObject* name, PyObject* expected, unsigned long ident = 0) {
+  PyObject* value = PyObject_GetAttr(object, name);
   if (value == nullptr) {
     PyErr_Clear();
     return false;
@@ -137,8 +137,12 @@ bool reserve_on_lane(PyObject* drawing, const torch::jit::Stack& stack, uint64_t
   }
   const bool hooked = hook != Py_None;
   Py_DECREF(hook);
-  if (hooked || !attribute_is(drawing, "handler", lane.handler) ||
-      !attribute_is(drawing, "thread", nullptr, PyThread_get_thread_ident()) || watched_frame_on_stack()) {
+  // names made once (the GIL held): a call pays no string
+  static PyObject* const handler = PyUnicode_InternFromString("handler");
+  static PyObject* const thread = PyUnicode_InternFromString("thread");
+  static PyObject* const lane_counter = PyUnicode_InternFromString("lane_counter");
+  if (hooked || !attribute_is(drawing, handler, lane.handler) ||
+      !attribute_is(drawing, thread, nullptr, PyThread_get_thread_ident()) || watched_frame_on_stack()) {
     return false;
   }
   const auto sizes = self.sizes();
@@ -146,7 +150,7 @@ bool reserve_on_lane(PyObject* drawing, const torch::jit::Stack& stack, uint64_t
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyTuple_SET_ITEM(size, i, PyLong_FromLongLong(sizes[i]));
   }
-  PyObject* counter = PyObject_GetAttrString(lane.counters, "lane_counter");
+  PyObject* counter = PyObject_GetAttr(lane.counters, lane_counter);
   PyObject* got = counter != nullptr ? PyObject_CallOneArg(counter, size) : nullptr;
   Py_XDECREF(counter);
   Py_DECREF(size);
