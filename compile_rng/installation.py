@@ -390,11 +390,12 @@ def _register_random_kernels(kernels: ModuleType) -> None:
                 library.impl(op, python_kernel, key, with_keyset=True)
     if native is not None:
         _native.append(native)
-        native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(),
-                        cpu_kernel.fast_f32_address(), sorted(draw_counters.watched_codes()))
+        native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
+                        *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
+        lanes = {op: i for i, op in enumerate(short_draws.LANE_OPS)} | dict.fromkeys(short_draws.LANE_FACTORIES, -2)
         for op, by_key in stocks.items():
             name, _, overload = op.name().partition(".")
-            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY, op is short_draws.LANE_OP)
+            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY, lanes.get(op, -1))
 
 
 def _unregister_random_kernels() -> None:

@@ -74,7 +74,11 @@ class Scores(nn.Module):
         return self.core(q, k)
 
     def core(self, q, k):
-        return F.dropout((q @ k.transpose(-1, -2)).softmax(-1), P)
+        scores = (q @ k.transpose(-1, -2)).softmax(-1)
+        if self.variant == "noise":  # float32 noise like the scores (torch's factory kernels)
+            scores = scores.float()
+            return torch.cat([torch.rand_like(scores), torch.randn_like(scores)], dim=-1)
+        return F.dropout(scores, P)
 
 
 def _input():
@@ -163,6 +167,40 @@ def test_invariant_layout_assembles_to_the_single_device(variant, dim, how):
     assembled = torch.cat(pieces, dim=dim)
     assert torch.equal(assembled != 0, expected)
     assert (assembled - full).abs().max() < 1e-12
+
+
+@needs_view_rule
+@pytest.mark.parametrize("how", ["eager", "step"])
+def test_noise_like_a_piece_is_its_piece_of_the_single_devices(how):
+    """``rand_like``/``randn_like`` of a rank's float32 piece of the scores, eagerly: the
+    ranks' noise assembles to the single device's (the C++ kernels run torch's factory
+    kernels into their lane only where no piece is recorded)."""
+    full = _single_device("noise")
+    pieces = [_on_rank(rank, "invariant", how, "noise")[0] for rank in range(2)]
+    assert torch.equal(torch.cat(pieces, dim=1), full)
+
+
+def test_noise_like_a_piece_recorded_in_an_earlier_step():
+    """A piece recorded in one step (no piece mode follows it in the next): ``rand_like``
+    and ``randn_like`` of it in the next step still draw its piece of the global tensor's
+    noise, not a fresh tensor's replica (the C++ kernels leave such factories to the
+    Python kernel while a piece is recorded)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.zeros(B, 4, 3)
+    compile_rng.manual_seed(SEED)
+    with compile_rng.step(B):
+        expected = [torch.rand_like(full), torch.randn_like(full)]
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            mesh = init_device_mesh("cpu", (2,))
+            compile_rng.manual_seed(SEED)
+            with compile_rng.step(B):
+                piece = distribute_tensor(full, mesh, [Shard(1)]).to_local()
+            with compile_rng.step(B):
+                drawn = [torch.rand_like(piece), torch.randn_like(piece)]
+        for got, want in zip(drawn, expected):
+            assert torch.equal(got, want[:, 2 * rank:2 * rank + 2])
 
 
 def test_transformers_llama_attention_dropout_is_drawn_on_its_heads():

@@ -5,8 +5,9 @@ step has. Each scenario runs twice from the same seed, with the short path and w
 switched off; the scenarios the short path serves are checked to have been served (else
 the comparison would be vacuous), those it must not serve to have not been.
 
-Dropout's ``bernoulli_`` has a lane in the C++ kernel in front of the short path
-(``csrc/random_op_kernels.cpp``), which takes its counters from ``short_draws.lane_counter``:
+The in-place fills (``bernoulli_``, ``uniform_``, ``normal_``: dropout's, rand's, randn's)
+have a lane in the C++ kernel in front of the short path (``csrc/random_op_kernels.cpp``),
+which takes its counters from ``short_draws.lane_counter``:
 the comparisons of the short path switch it off; the lane is compared the same way with
 everything switched off, and counted through ``lane_counter`` where it must (or must not) serve.
 
@@ -146,7 +147,7 @@ def _both_ways(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
             return kernel(seed, base, size, strides, mean, std, out=out)
         return call
 
-    monkeypatch.setattr(short_draws, "lane_counter", lambda size: None)  # the C++ lane: its own test
+    _lane_off(monkeypatch)  # the C++ lane: its own test
     monkeypatch.setattr(short_draws, "fast_f32", recorded(short_draws.fast_f32, True))
     monkeypatch.setattr(cr_ops, "fast_f32", recorded(cr_ops.fast_f32, False))
     monkeypatch.setattr(short_draws, "normal_f32", recorded_normal(short_draws.normal_f32, True))
@@ -176,13 +177,19 @@ def test_the_short_path_draws_what_the_general_path_draws(name, monkeypatch):
     _assert_same(short, general)
 
 
+def _lane_off(monkeypatch) -> None:
+    """Switch the C++ lane off: its fills and the factories it runs through torch's kernels."""
+    monkeypatch.setattr(short_draws, "lane_counter", lambda *call: None)
+    monkeypatch.setattr(short_draws, "lane_through_torch", lambda: False)
+
+
 def _counting(monkeypatch, served: list, kernels: tuple[str, ...] = ()) -> None:
     """Count in ``served`` the draws the C++ lane serves (``lane_counter`` reserved their
     counters) and the calls of ``short_draws``' ``kernels``."""
     lane = short_draws.lane_counter
 
-    def counted(size):
-        got = lane(size)
+    def counted(*call):
+        got = lane(*call)
         served.extend([] if got is None else [1])
         return got
 
@@ -197,14 +204,15 @@ def _lane_and_general(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
     served: list = []
     _counting(monkeypatch, served)
     lane = _run(scenario)
-    monkeypatch.setattr(short_draws, "lane_counter", lambda size: None)
+    _lane_off(monkeypatch)
     monkeypatch.setattr(dispatch_modes, "short_draw", lambda *a: short_draws.NOT_SERVED)
     return lane, _run(scenario), len(served)
 
 
 @pytest.mark.parametrize("name", list(SERVED))
 def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
-    """Dropout's ``bernoulli_`` on the C++ kernel's lane: the general path's values, stream
+    """The fills on the C++ kernel's lane, and rand, randn and their ``*_like`` through
+    torch's kernels into it: the general path's values (each op's own rule), stream
     position and recorded counters, in every kind of step (names, microbatches, a rank's
     rows, a checkpoint recomputed in the backward after the step)."""
     lane, general, served = _lane_and_general(SERVED[name], monkeypatch)

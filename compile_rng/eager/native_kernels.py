@@ -9,9 +9,19 @@ kernels (``$COMPILE_RNG_CACHE``, default ``~/.cache/compile_rng``; ``make setup`
 ahead). Where it cannot be built, :func:`load` returns None after one warning, and the
 Python kernels sit at the backend keys themselves, as before.
 
-The C++ source uses two private torch C++ APIs, named in its header with the releases
+Inside the eager stream the common fills - ``bernoulli_(p)``, ``uniform_``, ``normal_`` on a
+plain dense float32 CPU tensor - take a lane in C++ in front of the Python kernel: their
+counters from one Python call (:func:`compile_rng.eager.short_draws.lane_counter`, the short
+path's own), then compile_rng's CPU kernel into the tensor with the GIL released; ``rand``,
+``randn`` and their ``*_like`` run torch's kernel, whose fill takes the lane
+(:data:`~compile_rng.eager.short_draws.LANE_FACTORIES`). What the lane does not serve takes
+the Python kernel, nothing reserved first. The installer hands the lane what it calls
+(``set_lane``).
+
+The C++ source uses four private torch C++ APIs, named in its header with the releases
 checked (``at::impl::ThreadLocalPythonObjects``,
-``OperatorHandle::getComputedKernelForDispatchKey``); the ABI to build with is read through
+``OperatorHandle::getComputedKernelForDispatchKey``, ``TorchDispatchModeTLS::stack_len``,
+``PyObjectSlot::load_pyobj``); the ABI to build with is read through
 :func:`compile_rng._torch.core_internals.cxx11_abi`.
 """
 

@@ -9,6 +9,12 @@ same place (:func:`~compile_rng.eager.draw_counters.plain_window`, the stream's 
 and calls the same vectorized kernel straight into the tensor: the same counters and
 values (tested against the general path, draw by draw).
 
+The in-place fills reach here from C++ (``csrc/random_op_kernels.cpp``'s lane): the
+kernel checks the tensor and the stream there, calls :func:`lane_counter` for the
+arguments' check and the counters, and fills the tensor itself. ``rand``, ``randn`` and
+their ``*_like`` reach the lane through torch's kernels (:data:`LANE_FACTORIES`), which fill
+an empty tensor; :func:`short_draw` serves them where the lane is off.
+
 Anything else is not served and takes the general path *before* a counter is reserved:
 another op, dtype, device or layout; a subclass (a Parameter, a fake or functional
 tensor); a dispatch mode above; ``generator=``; arguments torch refuses (its own error
@@ -18,6 +24,7 @@ a sequence-major tensor, whose batch rows take the outermost counters).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,16 +37,22 @@ from compile_rng.eager import draw_counters
 from compile_rng.semantics import local_values
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.random_ops import is_probability, normalized_arguments, uniform_fault
-from compile_rng.stream.cpu_kernel import FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32
+from compile_rng.stream.cpu_kernel import (
+    FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32, to_float32,
+)
 
 aten = torch.ops.aten
 
 #: what :func:`short_draw` returns for a call it does not serve
 NOT_SERVED = object()
 
-#: ``fill(out, seed, base, strides)``: the kernel writing the draw into ``out``, whose
-#: element ``i`` (row-major) has counter ``base + i``
-Fill = Callable[[torch.Tensor, int, int, list], Any]
+#: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, threshold)``: ``FAST_UNIFORM``
+#: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` ``(0, 1, 1, threshold)``,
+#: :data:`NORMAL` ``(mean, std, 0, 0)`` - plain numbers, which the C++ lane reads too
+Fill = tuple[int, float, float, float, int]
+
+#: the float32 normal kernel's code in a :data:`Fill` (``FAST_*`` are ``fast_f32``'s)
+NORMAL = 3
 
 _CPU = torch.device("cpu")
 
@@ -60,25 +73,54 @@ def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
         return NOT_SERVED
     seed, first, strides = reserved
     out = torch.empty(size, dtype=torch.float32) if target is None else target
-    fill(out, seed, first, strides)
+    kernel, x0, x1, x2, threshold = fill
+    if kernel == NORMAL:
+        normal_f32(seed, first, size, list(strides), x0, x1, out=out)
+    elif kernel == FAST_UNIFORM:
+        fast_f32(kernel, out.numel(), seed, first, out=out, low=x0, high=x2)
+    else:
+        fast_f32(kernel, out.numel(), seed, first, out=out, threshold=threshold)
     return out
 
 
-#: the op the C++ lane serves (:mod:`compile_rng.eager.native_kernels`): dropout's
-LANE_OP = aten.bernoulli_.float
+#: the ops the C++ lane serves (:mod:`compile_rng.eager.native_kernels`), by the index its
+#: kernels are given: the in-place fills of a dense float32 tensor (dropout's ``bernoulli_``;
+#: ``rand``, ``randn`` and their ``*_like`` fill ``uniform_``/``normal_``)
+LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default)
 
 
-def lane_counter(size: tuple[int, ...]) -> tuple[int, int] | None:
-    """The C++ lane's counters: ``(seed, counter of element 0)`` of ``bernoulli_(p)`` on a
-    tensor of ``size`` drawn here, reserved, or None (nothing reserved: the call takes the
-    Python kernel). The lane has checked all the rest the short path checks (``p`` a
-    probability, a dense float32 CPU tensor, no generator, no dispatch mode, this thread's
-    eager stream) and walked the stack (none of :func:`draw_counters.watched_codes` on it);
-    here: no tensor-parallel piece recorded, one contiguous run of counters."""
-    if local_values.any_recorded():
+#: the factories whose torch kernel fills an empty tensor with a lane op (``uniform_``,
+#: ``normal_``): in the eager stream the C++ kernel runs torch's kernel where
+#: :func:`lane_through_torch` says so, and the fill takes the lane (or the Python kernel, for
+#: what the lane does not serve) - the values and counters a factory's own rule gives
+LANE_FACTORIES = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
+
+
+def lane_through_torch() -> bool:
+    """Whether a :data:`LANE_FACTORIES` call here may run torch's kernel: no tensor-parallel
+    piece is recorded (a ``*_like`` of a piece draws the piece, which the fill of a fresh
+    tensor cannot know)."""
+    return not local_values.any_recorded()
+
+
+def lane_counter(op: int, size: tuple[int, ...], *numbers: float) -> tuple | None:
+    """The C++ lane's draw of ``LANE_OPS[op]`` with its number arguments ``numbers`` on a
+    tensor of ``size`` here: ``(kernel, seed, counter of element 0, x0, x1, x2, threshold)``
+    (a :data:`Fill`'s kernel and arguments), its counters reserved, or None (nothing
+    reserved: the call takes the Python kernel). The lane has checked what it can in C++ (a
+    dense float32 CPU tensor, no generator, no dispatch mode, this thread's eager stream)
+    and walked the stack (none of :func:`draw_counters.watched_codes` on it); here: the
+    arguments the short path serves, no tensor-parallel piece recorded, one contiguous run
+    of counters."""
+    func = LANE_OPS[op]
+    fill = _LANE_FILLS[op](*numbers)
+    if fill is None or local_values.any_recorded():
         return None
-    reserved = _reserve(LANE_OP, list(size), walked=True)
-    return None if reserved is None else (reserved[0], reserved[1] % 2**64)
+    reserved = _reserve(func, list(size), walked=True)
+    if reserved is None:
+        return None
+    kernel, x0, x1, x2, threshold = fill
+    return kernel, reserved[0], reserved[1] % 2**64, x0, x1, x2, threshold
 
 
 def _reserve(func: OpOverload, size: list[int], walked: bool = False) -> tuple[int, int, list[int]] | None:
@@ -101,7 +143,10 @@ def _dense(t: Any) -> bool:
 
 
 def _number(*values: Any) -> bool:
-    return all(isinstance(v, (float, int)) for v in values)
+    for v in values:  # a loop, not all() of a generator: this runs on every lane draw
+        if not isinstance(v, (float, int)):
+            return False
+    return True
 
 
 def _factory(kw: dict, like: torch.Tensor | None = None) -> list[int] | None:
@@ -118,28 +163,28 @@ def _factory(kw: dict, like: torch.Tensor | None = None) -> list[int] | None:
     return list(size) if all(type(n) is int and n >= 0 for n in size) else None
 
 
+@functools.lru_cache(maxsize=256)  # pure; a step repeats a few arguments (dropout's p)
 def _uniform(low: Any, high: Any) -> Fill | None:
     if not _number(low, high):
         return None
     low, high = float(low), float(high)
     if uniform_fault(low, high, torch.float32) is not None or not fast_uniform_ok(high):
         return None
-    return lambda out, seed, base, strides: fast_f32(FAST_UNIFORM, out.numel(), seed, base, out=out, low=low, high=high)
+    return FAST_UNIFORM, low, to_float32(high - low), high, 0
 
 
+@functools.lru_cache(maxsize=256)
 def _normal(mean: Any, std: Any) -> Fill | None:
     if not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
         return None
-    mean, std = float(mean), float(std)
-    return lambda out, seed, base, strides: normal_f32(seed, base, list(out.shape), list(strides), mean, std, out=out)
+    return NORMAL, float(mean), float(std), 0.0, 0
 
 
+@functools.lru_cache(maxsize=256)
 def _bernoulli(p: Any) -> Fill | None:
     if not (_number(p) and is_probability(p)):
         return None
-    threshold = stream.threshold32(float(p))
-    return lambda out, seed, base, strides: fast_f32(FAST_BERNOULLI, out.numel(), seed, base, out=out,
-                                                     threshold=threshold)
+    return FAST_BERNOULLI, 0.0, 1.0, 1.0, stream.threshold32(float(p))
 
 
 def _in_place(fill: Callable[[dict], Fill | None]) -> Callable[[dict], tuple | None]:
@@ -176,3 +221,6 @@ _CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
     aten.randn.default: _made(_normal_of, like=False),
     aten.randn_like.default: _made(_normal_of, like=True),
 }
+
+#: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments (None: not served)
+_LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal)

@@ -229,7 +229,7 @@ def normal_f32_at(seed: int, base: int, counters: torch.Tensor, mean: float, std
 FAST_UNIFORM, FAST_BERNOULLI, FAST_DROPOUT = 0, 1, 2
 
 
-def _to_float32(x: float) -> float:
+def to_float32(x: float) -> float:
     """``x`` rounded to float32 (to nearest, overflowing to infinity), as torch rounds it;
     struct, not a tensor: this runs on every call of a small op (a tensor costs ~3 us)."""
     try:
@@ -240,7 +240,7 @@ def _to_float32(x: float) -> float:
 
 def fast_uniform_ok(high: float) -> bool:
     """The fast kernel compares with ``high`` in float32, exact only if it is a float32."""
-    return _to_float32(high) == high
+    return to_float32(high) == high
 
 
 def fast_f32(
@@ -273,7 +273,7 @@ def fast_f32(
         rc = _library().cr_fast_f32(
             op, out.data_ptr(), mask.data_ptr() if mask is not None else None,
             x.data_ptr() if x is not None else None, numel, seed % 2**64, base % 2**64,
-            low, _to_float32(high - low), high, threshold, scale,
+            low, to_float32(high - low), high, threshold, scale,
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -281,10 +281,12 @@ def fast_f32(
     return out, mask
 
 
-def fast_f32_address() -> int:
-    """The address of :func:`fast_f32`'s C function (``cr_fast_f32`` in ``csrc/philox.c``)
-    in this process's build, for C++ callers."""
-    return ctypes.cast(_library().cr_fast_f32, ctypes.c_void_p).value
+def kernel_addresses() -> tuple[int, int]:
+    """The addresses of :func:`fast_f32`'s and :func:`normal_f32`'s C functions
+    (``cr_fast_f32``, ``cr_normal_f32`` in ``csrc/philox.c``) in this process's build, for
+    C++ callers."""
+    lib = _library()
+    return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.cr_fast_f32, lib.cr_normal_f32))
 
 
 def philox_words(

@@ -6,16 +6,18 @@
 // released it (torch 2.11/2.12: taken for a moment to read the thread's cell, below). Inside a stream - the thread's state holds compile_rng's handler, which the
 // autograd engine hands its device threads too - it calls compile_rng's Python kernel for
 // the op (registered at a dispatch key no dispatch reaches), which draws from the stream.
-// One op has a lane here too: dropout's bernoulli_(p) on a plain dense float32 CPU tensor in
-// the eager stream takes its counters from one Python call (compile_rng.eager.short_draws.
-// lane_counter, on the Python kernel's own path) and is filled by compile_rng's CPU kernel
-// with the GIL released, skipping the Python kernel's layers (~13 us a call on a Xeon core).
-// Anything the lane does not serve takes the Python kernel as before.
+// The common fills have a lane here too: bernoulli_(p) (dropout's), uniform_ and normal_
+// (rand's, randn's) on a plain dense float32 CPU tensor in the eager stream take their
+// counters from one Python call (compile_rng.eager.short_draws.lane_counter, on the Python
+// kernel's own path) and are filled by compile_rng's CPU kernels with the GIL released,
+// skipping the Python kernel's layers (~13 us a call on a Xeon core). Anything the lane does
+// not serve takes the Python kernel as before.
 //
 // Private torch C++ API, checked on torch 2.11-2.15: at::impl::ThreadLocalPythonObjects
 // (the thread state torch._C._stash_obj_in_tls writes),
 // c10::OperatorHandle::getComputedKernelForDispatchKey (torch.library.get_kernel's) and
-// c10::impl::TorchDispatchModeTLS::stack_len (torch.utils._python_dispatch's mode stack).
+// c10::impl::TorchDispatchModeTLS::stack_len (torch.utils._python_dispatch's mode stack) and
+// c10::impl::PyObjectSlot::load_pyobj (a tensor's Python object, if it has one).
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalPythonObjects.h>
@@ -60,24 +62,37 @@ PyObject* drawing_here() {
   return value;
 }
 
-// compile_rng's CPU kernel for contiguous float32 streams (cr_fast_f32 in
-// compile_rng/stream/csrc/philox.c; op 1: W < threshold)
+// compile_rng's CPU kernels (compile_rng/stream/csrc/philox.c): cr_fast_f32, float32
+// uniform (op 0) and bernoulli (op 1) of a contiguous stream, and cr_normal_f32
 using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, uint64_t, float, float, float,
                         uint64_t, float, int);
+using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
+constexpr int64_t kNormal = 3;  // short_draws.NORMAL: the kernel code of cr_normal_f32
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
   PyObject* handler = nullptr;   // the eager stream's handler: only its draws take the lane
-  // compile_rng.eager.short_draws, whose lane_counter - (seed, first counter) or None - is
-  // read per call, so that it can be replaced (the tests switch the lane off so)
+  // compile_rng.eager.short_draws, whose lane_counter is read per call, so that it can be
+  // replaced (the tests switch the lane off so)
   PyObject* counters = nullptr;
   PyObject* dynamo_hook = nullptr;  // returns Dynamo's frame hook, None when off
-  FastF32 fill = nullptr;
+  PyObject* tensor_type = nullptr;  // torch.Tensor: a subclass's tensor (a Parameter) is not served
+  FastF32 fast = nullptr;
+  NormalF32 normal = nullptr;
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
   std::unordered_set<uintptr_t> watched;
 };
 Lane lane;
+
+// A draw the lane serves: short_draws.lane_counter's (kernel, seed, first counter, x0, x1, x2,
+// threshold), its counters reserved.
+struct Fill {
+  int64_t kernel;
+  uint64_t seed, first;
+  double x0, x1, x2;
+  uint64_t threshold;
+};
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
 bool watched_frame_on_stack() {
@@ -115,52 +130,88 @@ bool attribute_is(PyObject* object, PyObject* name, PyObject* expected, unsigned
   return same;
 }
 
-// bernoulli_(self, p, generator) on the lane, the GIL held: true with the counters of the
-// draw reserved in `seed`/`first`; false where the Python kernel serves it (nothing reserved).
-// A Python error from the counters (a refused draw) is raised as the Python kernel raises it.
-bool reserve_on_lane(PyObject* drawing, const torch::jit::Stack& stack, uint64_t& seed, uint64_t& first) {
-  const auto n = stack.size();
-  const at::Tensor& self = stack[n - 3].toTensor();
-  const c10::IValue& p = stack[n - 2];
-  if (!stack[n - 1].isNone() || !p.isDouble() || !(p.toDouble() >= 0.0 && p.toDouble() <= 1.0)) {
+// A name made once, in a function-local static (the GIL held): a call pays no string.
+PyObject* name(const char* text) { return PyUnicode_InternFromString(text); }
+
+// Whether a draw here may take the lane, the GIL held: this thread's eager stream (its
+// handler, not a guard's or another stream's), no dispatch mode, Dynamo's frame hook off (it
+// would compile the Python frames the lane calls; the Python kernel turns it off).
+bool lane_open(PyObject* drawing) {
+  static PyObject* const handler = name("handler");
+  static PyObject* const thread = name("thread");
+  if (lane.counters == nullptr || c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
     return false;
   }
-  if (self.device().type() != c10::kCPU || self.scalar_type() != at::kFloat || self.layout() != c10::kStrided ||
-      !self.is_contiguous() || self.key_set().has(c10::DispatchKey::Python) ||
-      c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
-    return false;
-  }
-  // Dynamo's frame hook would compile the counters' Python frames: the Python kernel turns it off
   PyObject* hook = PyObject_CallNoArgs(lane.dynamo_hook);
   if (hook == nullptr) {
     throw pybind11::error_already_set();
   }
   const bool hooked = hook != Py_None;
   Py_DECREF(hook);
-  // names made once (the GIL held): a call pays no string
-  static PyObject* const handler = PyUnicode_InternFromString("handler");
-  static PyObject* const thread = PyUnicode_InternFromString("thread");
-  static PyObject* const lane_counter = PyUnicode_InternFromString("lane_counter");
-  if (hooked || !attribute_is(drawing, handler, lane.handler) ||
-      !attribute_is(drawing, thread, nullptr, PyThread_get_thread_ident()) || watched_frame_on_stack()) {
+  return !hooked && attribute_is(drawing, handler, lane.handler) &&
+         attribute_is(drawing, thread, nullptr, PyThread_get_thread_ident());
+}
+
+// Whether short_draws.<function>() says yes (a Python error is raised as the op's).
+bool asked(PyObject* function_name) {
+  PyObject* answer = PyObject_CallMethodNoArgs(lane.counters, function_name);
+  if (answer == nullptr) {
+    throw pybind11::error_already_set();
+  }
+  const bool yes = answer == Py_True;
+  Py_DECREF(answer);
+  return yes;
+}
+
+// The lane op `op` (short_draws.LANE_OPS[op]) called as (self, numbers..., generator), the
+// GIL held: true with its draw in `fill`, counters reserved; false where the Python kernel
+// serves it (nothing reserved). A Python error from the counters (a refused draw) is raised
+// as the Python kernel raises it.
+bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::jit::Stack& stack, Fill& fill) {
+  static PyObject* const lane_counter = name("lane_counter");
+  const size_t first_argument = stack.size() - arity;
+  const at::Tensor& self = stack[first_argument].toTensor();
+  if (!stack.back().isNone() || self.device().type() != c10::kCPU || self.scalar_type() != at::kFloat ||
+      self.layout() != c10::kStrided || !self.is_contiguous() || self.key_set().has(c10::DispatchKey::Python)) {
     return false;
   }
+  for (size_t i = first_argument + 1; i + 1 < stack.size(); ++i) {
+    if (!stack[i].isDouble()) {
+      return false;
+    }
+  }
+  // a tensor with a Python object of a subclass (a Parameter) takes the Python kernel, as
+  // the short path leaves it; one with none yet (made in C++: dropout's empty_like) is plain
+  PyObject* object = self.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if ((object != nullptr && Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(lane.tensor_type)) ||
+      !lane_open(drawing) || watched_frame_on_stack()) {
+    return false;
+  }
+  // lane_counter(op, size, numbers...)
   const auto sizes = self.sizes();
+  PyObject* arguments = PyTuple_New(static_cast<Py_ssize_t>(arity));  // op, size, the numbers
   PyObject* size = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyTuple_SET_ITEM(size, i, PyLong_FromLongLong(sizes[i]));
   }
+  PyTuple_SET_ITEM(arguments, 0, PyLong_FromLongLong(op));
+  PyTuple_SET_ITEM(arguments, 1, size);
+  for (size_t i = 2; i < arity; ++i) {
+    PyTuple_SET_ITEM(arguments, i, PyFloat_FromDouble(stack[first_argument + i - 1].toDouble()));
+  }
   PyObject* counter = PyObject_GetAttr(lane.counters, lane_counter);
-  PyObject* got = counter != nullptr ? PyObject_CallOneArg(counter, size) : nullptr;
+  PyObject* got = counter != nullptr ? PyObject_Call(counter, arguments, nullptr) : nullptr;
   Py_XDECREF(counter);
-  Py_DECREF(size);
+  Py_DECREF(arguments);
   if (got == nullptr) {
     throw pybind11::error_already_set();
   }
   const bool served = got != Py_None;
   if (served) {
-    seed = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 0));
-    first = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1));
+    fill = Fill{PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0)), PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
+                PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6))};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -169,25 +220,36 @@ bool reserve_on_lane(PyObject* drawing, const torch::jit::Stack& stack, uint64_t
   return served;
 }
 
+// short_draws' index of an op that takes the lane through torch's own kernel
+// (LANE_FACTORIES: rand, randn and their *_like fill an empty tensor with a lane op)
+constexpr int64_t kThroughTorch = -2;
+
 class RandomOpKernel final : public c10::OperatorKernel {
  public:
-  RandomOpKernel(c10::SafeKernelFunction stock, c10::SafeKernelFunction stream, bool on_lane)
-      : stock_(std::move(stock)), stream_(std::move(stream)), on_lane_(on_lane) {}
+  // lane_op: the op's index in short_draws.LANE_OPS, kThroughTorch, or -1
+  RandomOpKernel(c10::SafeKernelFunction stock, c10::SafeKernelFunction stream, int64_t lane_op)
+      : stock_(std::move(stock)), stream_(std::move(stream)), lane_op_(lane_op) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
     if (!at::impl::ThreadLocalPythonObjects::contains(kHandlerKey)) {
       stock_.callBoxed(op, keys, stack);
       return;
     }
-    bool drawing = false, reserved = false;
-    uint64_t seed = 0, first = 0;
+    const size_t arity = op.schema().arguments().size();
+    bool drawing = false, reserved = false, through_torch = false;
+    Fill fill{};
     {
       pybind11::gil_scoped_acquire gil;
       PyObject* here = drawing_here();
       if (here != nullptr) {
         drawing = true;
         try {
-          reserved = on_lane_ && lane.counters != nullptr && reserve_on_lane(here, *stack, seed, first);
+          if (lane_op_ >= 0) {
+            reserved = reserve_on_lane(here, lane_op_, arity, *stack, fill);
+          } else if (lane_op_ == kThroughTorch) {
+            static PyObject* const lane_through_torch = name("lane_through_torch");
+            through_torch = lane_open(here) && asked(lane_through_torch);
+          }
         } catch (...) {
           Py_DECREF(here);
           throw;
@@ -196,31 +258,53 @@ class RandomOpKernel final : public c10::OperatorKernel {
       }
     }
     if (reserved) {
-      fill_on_lane(stack, seed, first);
+      fill_on_lane(stack, arity, fill);
+    } else if (through_torch) {
+      run_through_torch(op, keys, stack);
     } else {
       (drawing ? stream_ : stock_).callBoxed(op, keys, stack);
     }
   }
 
  private:
-  // bernoulli_'s values into self (the GIL released), then self as the result
-  static void fill_on_lane(torch::jit::Stack* stack, uint64_t seed, uint64_t first) {
-    const auto n = stack->size();
-    at::Tensor self = (*stack)[n - 3].toTensor();
-    // ceil(p * 2**32), as compile_rng.stream.threshold32: the product is exact
-    const auto threshold = static_cast<uint64_t>(std::ceil((*stack)[n - 2].toDouble() * 4294967296.0));
-    if (self.numel() != 0 &&
-        lane.fill(1, self.data_ptr<float>(), nullptr, nullptr, self.numel(), seed, first, 0.0f, 1.0f, 1.0f, threshold,
-                  0.0f, at::get_num_threads()) != 0) {
-      throw std::runtime_error("compile_rng CPU kernel failed");
+  // torch's kernel of a LANE_FACTORIES op, whose fill draws from the stream. A draw compile_rng
+  // refuses raises before it reserves anything: the op's own Python kernel then raises it
+  // again, naming the op the user called (rand, not the uniform_ inside it). Should that
+  // kernel not raise, the first error stands: the two paths disagree.
+  void run_through_torch(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+    const torch::jit::Stack arguments = *stack;
+    try {
+      stock_.callBoxed(op, keys, stack);
+    } catch (pybind11::error_already_set&) {
+      *stack = arguments;
+      stream_.callBoxed(op, keys, stack);
+      throw;
     }
-    torch::jit::drop(*stack, 3);
+  }
+
+  // the draw's values into self (the GIL released), then self as the result
+  static void fill_on_lane(torch::jit::Stack* stack, size_t arity, const Fill& fill) {
+    at::Tensor self = (*stack)[stack->size() - arity].toTensor();
+    const int64_t numel = self.numel(), one = 1;
+    if (numel != 0) {
+      const int failed =
+          fill.kernel == kNormal
+              ? lane.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
+                            static_cast<float>(fill.x0), static_cast<float>(fill.x1), at::get_num_threads())
+              : lane.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
+                          fill.first, static_cast<float>(fill.x0), static_cast<float>(fill.x1),
+                          static_cast<float>(fill.x2), fill.threshold, 0.0f, at::get_num_threads());
+      if (failed != 0) {
+        throw std::runtime_error("compile_rng CPU kernel failed");
+      }
+    }
+    torch::jit::drop(*stack, arity);
     stack->emplace_back(std::move(self));
   }
 
   c10::SafeKernelFunction stock_;
   c10::SafeKernelFunction stream_;
-  bool on_lane_;
+  int64_t lane_op_;
 };
 
 // A warning handler that drops torch's "Overriding a previously registered kernel": here
@@ -234,9 +318,10 @@ std::vector<std::unique_ptr<torch::Library>> libraries;
 
 // Wrap op `name`.`overload`'s kernel at each of `keys` (backend keys where torch has one);
 // in a stream they call the op's kernel at `stream_key` (compile_rng's Python kernel), or
-// take the lane (`on_lane`: bernoulli_.float's kernels).
+// take the lane (`lane_op`: the op's index in short_draws.LANE_OPS, -2 for the
+// LANE_FACTORIES, -1 for none).
 void serve(const std::string& name, const std::string& overload, const std::vector<std::string>& keys,
-           const std::string& stream_key, bool on_lane) {
+           const std::string& stream_key, int64_t lane_op) {
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
   auto stream = op.getComputedKernelForDispatchKey(c10::parseDispatchKey(stream_key));
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__, __LINE__);
@@ -246,23 +331,27 @@ void serve(const std::string& name, const std::string& overload, const std::vect
   for (const auto& key : keys) {
     const auto k = c10::parseDispatchKey(key);
     library->impl(qualified.c_str(), torch::dispatch(k, torch::CppFunction::makeFromBoxedFunctor(
-        std::make_unique<RandomOpKernel>(op.getComputedKernelForDispatchKey(k), stream, on_lane))));
+        std::make_unique<RandomOpKernel>(op.getComputedKernelForDispatchKey(k), stream, lane_op))));
   }
   libraries.push_back(std::move(library));
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module, the
-// function returning Dynamo's frame hook, the address of cr_fast_f32 and the watched codes.
-void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook, uintptr_t fill,
-              const std::vector<uintptr_t>& watched) {
+// function returning Dynamo's frame hook, torch.Tensor, the addresses of cr_fast_f32 and
+// cr_normal_f32, and the watched codes.
+void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
+              pybind11::object tensor_type, uintptr_t fast, uintptr_t normal, const std::vector<uintptr_t>& watched) {
   lane.watched = std::unordered_set<uintptr_t>(watched.begin(), watched.end());
   Py_XDECREF(lane.handler);
   Py_XDECREF(lane.counters);
   Py_XDECREF(lane.dynamo_hook);
+  Py_XDECREF(lane.tensor_type);
   lane.handler = handler.release().ptr();
   lane.counters = counters.release().ptr();
   lane.dynamo_hook = dynamo_hook.release().ptr();
-  lane.fill = reinterpret_cast<FastF32>(fill);
+  lane.tensor_type = tensor_type.release().ptr();
+  lane.fast = reinterpret_cast<FastF32>(fast);
+  lane.normal = reinterpret_cast<NormalF32>(normal);
 }
 
 // Remove every kernel serve() registered, and the lane's references.
@@ -271,7 +360,9 @@ void clear() {
   Py_CLEAR(lane.handler);
   Py_CLEAR(lane.counters);
   Py_CLEAR(lane.dynamo_hook);
-  lane.fill = nullptr;
+  Py_CLEAR(lane.tensor_type);
+  lane.fast = nullptr;
+  lane.normal = nullptr;
   lane.watched.clear();
 }
 
