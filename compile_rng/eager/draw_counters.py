@@ -128,13 +128,35 @@ def draw_rows() -> Rows | ScatteredRows | None:
 _WHOLE = (aten.randperm.default,)
 
 
-def plain_window(func: OpOverload, size: Sequence[int], walked: bool = False) -> tuple[int, int, list[int]]:
+def plain_window(func: OpOverload, size: Sequence[int], walked: bool = False) -> tuple[int, int, Sequence[int]]:
     """``(advance, offset, counter strides)`` of a draw of ``func`` on a plain tensor of
     ``size`` here: a replica on a one-rank mesh; inside a step, rows of the batch, along
     the dim torch's module or the step says. ``walked``: the caller found none of the
-    :func:`watched_codes` on the stack. Reserves nothing."""
+    :func:`watched_codes` on the stack (the window then depends only on the rows, the
+    step's batch dim and the size: remembered). Reserves nothing."""
     rows = None if func in _WHOLE else draw_rows()
-    batch = _declared(rows is not None) if walked else read_stack(func, size, rows is not None)
+    if not walked:
+        return _plain_window(func, size, rows, read_stack(func, size, rows is not None))
+    key = (tuple(size), id(rows), step_batch_dim() if rows is not None else 0)
+    known = _walked_windows.get(key)
+    if known is not None:
+        return known[1]
+    if len(_walked_windows) >= 256:
+        _walked_windows.clear()
+    found = _plain_window(func, size, rows, _declared(rows is not None))
+    found = (found[0], found[1], tuple(found[2]))
+    _walked_windows[key] = (rows, found)
+    return found
+
+
+#: ``(size, id(rows), batch dim)`` -> ``(rows, window)`` of walked draws: the entry keeps
+#: the rows alive, so no other rows can take their id while it lives
+_walked_windows: dict[tuple, tuple] = {}
+
+
+def _plain_window(
+    func: OpOverload, size: Sequence[int], rows: Rows | ScatteredRows | None, batch: BatchDim,
+) -> tuple[int, int, list[int]]:
     advance, offset, strides = window(func, size, ceil4(math.prod(size)), rows, batch=batch)
     return advance, offset, strides if strides is not None else contiguous_strides(size)
 
