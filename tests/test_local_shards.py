@@ -172,25 +172,33 @@ def test_invariant_layout_assembles_to_the_single_device(variant, dim, how):
 @needs_view_rule
 @pytest.mark.parametrize("how", ["eager", "step"])
 def test_noise_like_a_piece_is_its_piece_of_the_single_devices(how):
-    """``rand_like``/``randn_like`` of a rank's float32 piece of the scores, eagerly: the
-    ranks' noise assembles to the single device's (the C++ kernels run torch's factory
-    kernels into their lane only where no piece is recorded)."""
+    """``rand_like``/``randn_like`` of a rank's float32 piece of the scores, eagerly, where
+    the stream's piece mode follows the piece: the ranks' noise assembles to the single
+    device's."""
     full = _single_device("noise")
     pieces = [_on_rank(rank, "invariant", how, "noise")[0] for rank in range(2)]
     assert torch.equal(torch.cat(pieces, dim=1), full)
 
 
-def test_noise_like_a_piece_recorded_in_an_earlier_step():
-    """A piece recorded in one step (no piece mode follows it in the next): ``rand_like``
-    and ``randn_like`` of it in the next step still draw its piece of the global tensor's
-    noise, not a fresh tensor's replica (the C++ kernels leave such factories to the
-    Python kernel while a piece is recorded)."""
+#: a draw of a piece: ``draw(tensor)``
+_PIECE_DRAWS = {
+    "bernoulli_": lambda t: t.bernoulli_(0.5).clone(), "rand_like": torch.rand_like, "randn_like": torch.randn_like,
+}
+
+
+@pytest.mark.parametrize("first", list(_PIECE_DRAWS))
+def test_draws_of_a_piece_recorded_in_an_earlier_step(first):
+    """A piece recorded in one step: ``bernoulli_``, ``rand_like`` and ``randn_like`` of it in
+    the next step draw its piece of the global tensor's, not a replica. The first draw of
+    the step is the one the C++ kernels' lane must leave to the Python kernel (a draw of a
+    piece enters the piece mode, which keeps the lane off for the rest of the step)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    order = [first] + [name for name in _PIECE_DRAWS if name != first]
     full = torch.zeros(B, 4, 3)
     compile_rng.manual_seed(SEED)
     with compile_rng.step(B):
-        expected = [torch.rand_like(full), torch.randn_like(full)]
+        expected = [_PIECE_DRAWS[name](full.clone()) for name in order]
     for rank in range(2):
         with fake_rank(rank, 2):
             mesh = init_device_mesh("cpu", (2,))
@@ -198,7 +206,7 @@ def test_noise_like_a_piece_recorded_in_an_earlier_step():
             with compile_rng.step(B):
                 piece = distribute_tensor(full, mesh, [Shard(1)]).to_local()
             with compile_rng.step(B):
-                drawn = [torch.rand_like(piece), torch.randn_like(piece)]
+                drawn = [_PIECE_DRAWS[name](piece) for name in order]
         for got, want in zip(drawn, expected):
             assert torch.equal(got, want[:, 2 * rank:2 * rank + 2])
 

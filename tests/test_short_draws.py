@@ -183,30 +183,44 @@ def _lane_off(monkeypatch) -> None:
     monkeypatch.setattr(short_draws, "lane_through_torch", lambda: False)
 
 
-def _counting(monkeypatch, served: list, kernels: tuple[str, ...] = ()) -> None:
+def _counting(monkeypatch, served: list, kernels: tuple[str, ...] = (), through_torch: list | None = None) -> None:
     """Count in ``served`` the draws the C++ lane serves (``lane_counter`` reserved their
-    counters) and the calls of ``short_draws``' ``kernels``."""
-    lane = short_draws.lane_counter
+    counters) and the calls of ``short_draws``' ``kernels``; in ``through_torch`` the
+    factories the lane runs through torch's kernels."""
+    lane, through = short_draws.lane_counter, short_draws.lane_through_torch
 
     def counted(*call):
         got = lane(*call)
         served.extend([] if got is None else [1])
         return got
 
+    def counted_through() -> bool:
+        yes = through()
+        if through_torch is not None and yes:
+            through_torch.append(1)
+        return yes
+
     monkeypatch.setattr(short_draws, "lane_counter", counted)
+    monkeypatch.setattr(short_draws, "lane_through_torch", counted_through)
     for name in kernels:
         kernel = getattr(short_draws, name)
         monkeypatch.setattr(short_draws, name, lambda *a, _k=kernel, **k: served.append(1) or _k(*a, **k))
 
 
-def _lane_and_general(scenario, monkeypatch) -> tuple[tuple, tuple, int]:
-    """(a run with the C++ lane on, one on the general path only, draws the lane served)."""
+def _lane_and_general(scenario, monkeypatch, through_torch: list | None = None) -> tuple[tuple, tuple, int]:
+    """(a run with the C++ lane on, one on the general path only, draws the lane served);
+    ``through_torch`` counts the factories the lane ran through torch's kernels."""
     served: list = []
-    _counting(monkeypatch, served)
+    _counting(monkeypatch, served, through_torch=through_torch)
     lane = _run(scenario)
     _lane_off(monkeypatch)
     monkeypatch.setattr(dispatch_modes, "short_draw", lambda *a: short_draws.NOT_SERVED)
     return lane, _run(scenario), len(served)
+
+
+# the scenarios whose draws include rand, randn and their *_like (the lane's factories):
+# 7 of them in each _fills call
+FACTORIES = {"whole step": 7, "rows 4-7 of 8": 7, "microbatches": 14, "replica stream": 7}
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -215,8 +229,10 @@ def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
     torch's kernels into it: the general path's values (each op's own rule), stream
     position and recorded counters, in every kind of step (names, microbatches, a rank's
     rows, a checkpoint recomputed in the backward after the step)."""
-    lane, general, served = _lane_and_general(SERVED[name], monkeypatch)
+    through: list = []
+    lane, general, served = _lane_and_general(SERVED[name], monkeypatch, through)
     assert served > 0, "the lane served nothing: the comparison says nothing"
+    assert len(through) == FACTORIES.get(name, 0)  # each factory ran through torch's kernel
     _assert_same((*lane, []), (*general, []))
 
 

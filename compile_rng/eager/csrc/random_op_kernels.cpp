@@ -55,6 +55,9 @@ PyObject* drawing_here() {
     return object;
   }
   PyObject* value = PyObject_GetAttrString(object, "value");
+  if (value == nullptr) {
+    throw pybind11::error_already_set();
+  }
   if (value == Py_None) {
     Py_DECREF(value);
     return nullptr;
@@ -86,12 +89,15 @@ struct Lane {
 Lane lane;
 
 // A draw the lane serves: short_draws.lane_counter's (kernel, seed, first counter, x0, x1, x2,
-// threshold), its counters reserved.
+// threshold), its counters reserved, and the C functions as they were then (read with the
+// GIL held: clear() may empty the lane while the fill runs without it).
 struct Fill {
   int64_t kernel;
   uint64_t seed, first;
   double x0, x1, x2;
   uint64_t threshold;
+  FastF32 fast;
+  NormalF32 normal;
 };
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
@@ -131,7 +137,13 @@ bool attribute_is(PyObject* object, PyObject* name, PyObject* expected, unsigned
 }
 
 // A name made once, in a function-local static (the GIL held): a call pays no string.
-PyObject* name(const char* text) { return PyUnicode_InternFromString(text); }
+PyObject* name(const char* text) {
+  PyObject* made = PyUnicode_InternFromString(text);
+  if (made == nullptr) {
+    throw pybind11::error_already_set();
+  }
+  return made;
+}
 
 // Whether a draw here may take the lane, the GIL held: this thread's eager stream (its
 // handler, not a guard's or another stream's), no dispatch mode, Dynamo's frame hook off (it
@@ -211,7 +223,7 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
     fill = Fill{PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0)), PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
-                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6))};
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), lane.fast, lane.normal};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -267,15 +279,25 @@ class RandomOpKernel final : public c10::OperatorKernel {
   }
 
  private:
-  // torch's kernel of a LANE_FACTORIES op, whose fill draws from the stream. A draw compile_rng
-  // refuses raises before it reserves anything: the op's own Python kernel then raises it
-  // again, naming the op the user called (rand, not the uniform_ inside it). Should that
-  // kernel not raise, the first error stands: the two paths disagree.
+  // torch's kernel of a LANE_FACTORIES op, whose fill draws from the stream. compile_rng's
+  // refusals (NotImplementedError: the rows, the batch dim, a replay) come before anything is
+  // reserved: the op's own Python kernel then raises it again, naming the op the user called
+  // (rand, not the uniform_ inside it). Any other error stands as it is (it may come after a
+  // reservation, which a second run would repeat), and so does the first error should the
+  // op's kernel not raise: the two paths would disagree.
   void run_through_torch(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
     const torch::jit::Stack arguments = *stack;
     try {
       stock_.callBoxed(op, keys, stack);
-    } catch (pybind11::error_already_set&) {
+    } catch (pybind11::error_already_set& error) {
+      bool refused = false;
+      {
+        pybind11::gil_scoped_acquire gil;
+        refused = error.matches(PyExc_NotImplementedError);
+      }
+      if (!refused) {
+        throw;
+      }
       *stack = arguments;
       stream_.callBoxed(op, keys, stack);
       throw;
@@ -289,9 +311,9 @@ class RandomOpKernel final : public c10::OperatorKernel {
     if (numel != 0) {
       const int failed =
           fill.kernel == kNormal
-              ? lane.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
+              ? fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
                             static_cast<float>(fill.x0), static_cast<float>(fill.x1), at::get_num_threads())
-              : lane.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
+              : fill.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
                           fill.first, static_cast<float>(fill.x0), static_cast<float>(fill.x1),
                           static_cast<float>(fill.x2), fill.threshold, 0.0f, at::get_num_threads());
       if (failed != 0) {
