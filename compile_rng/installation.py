@@ -392,10 +392,12 @@ def _register_random_kernels(kernels: ModuleType) -> None:
         _native.append(native)
         native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
                         *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
-        lanes = {op: i for i, op in enumerate(short_draws.LANE_OPS)} | dict.fromkeys(short_draws.LANE_FACTORIES, -2)
+        lanes = {op: i for i, op in enumerate(short_draws.LANE_OPS)}
+        lanes |= dict.fromkeys(short_draws.LANE_FACTORIES, short_draws.THROUGH_TORCH)
         for op, by_key in stocks.items():
             name, _, overload = op.name().partition(".")
-            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY, lanes.get(op, -1))
+            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY,
+                         lanes.get(op, short_draws.NO_LANE))
 
 
 def _unregister_random_kernels() -> None:

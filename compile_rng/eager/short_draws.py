@@ -95,6 +95,10 @@ LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default)
 #: what the lane does not serve) - the values and counters a factory's own rule gives
 LANE_FACTORIES = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
 
+#: the lane index a C++ kernel is given for a :data:`LANE_FACTORIES` op (the C++
+#: ``kThroughTorch``), and for an op with no lane (``LANE_OPS`` are indexed from 0)
+THROUGH_TORCH, NO_LANE = -2, -1
+
 
 def lane_through_torch() -> bool:
     """Whether a :data:`LANE_FACTORIES` call here may run torch's kernel: no tensor-parallel
