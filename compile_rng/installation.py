@@ -42,11 +42,15 @@ two global module forward hooks (torch's public             ``step(names=...)`` 
 ``register_module_forward_pre_hook`` and                    random op by the module that runs it
 ``register_module_forward_hook``), at the first step        (:mod:`~compile_rng.eager.activation_names`)
 with ``names=``; outside one they return at once
-a kernel for each aten random op at each backend key       a step's random ops draw from the stream,
-torch has one at, over torch's kernel (``get_kernel``):    and no other op pays a Python call;
-C++ that calls torch's outside streams, compile_rng's      outside streams no random op does either
-Python kernel inside one; at the first step or eager       (:mod:`~compile_rng.eager.random_kernels`,
-stream (again after ``uninstall()``)                       :mod:`~compile_rng.eager.native_kernels`)
+a kernel in C++ for each aten random op at torch's        a step's random ops draw from the stream,
+``Fake`` dispatch key, which only a stream's thread        and no other op pays a Python call;
+state includes (a fallthrough there for every other op,    outside streams no dispatch reaches
+and compile_rng's Python kernels at a key no dispatch      compile_rng: every random op runs
+reaches, both kept for the process); at the first step     torch's kernels as stock torch
+or eager stream (again after ``uninstall()``). Without a   (:mod:`~compile_rng.eager.random_kernels`,
+C++ compiler: Python kernels at the backend keys           :mod:`~compile_rng.eager.native_kernels`)
+every higher-order op (and those made later) passes that   a HOP reads the thread's included keys
+key by, as it passes BackendSelect (for the process)       and raises at one it has no kernel for
 ==========================================================  ========================================
 
 The private torch names these touch are read through :mod:`compile_rng._torch`'s homes.
@@ -91,8 +95,9 @@ from compile_rng.stream import cpu_kernel, state
 
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
-_random_op_kernels: list = []  # the torch.library.Library of the random ops' kernels while registered
+_random_op_kernels: list = []  # the torch.library.Library of the Python kernels at the backend keys, while there
 _native: list = []  # the C++ kernels' module while they are registered
+_python_kernels: list = []  # (Library, serve()'s entries) of the Python kernels the C++ ones call (kept for the process)
 _triton_ops: list[str] = []  # the op added to Inductor's op handlers while it is
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
@@ -364,20 +369,42 @@ def _offer_random_kernels(kernels: ModuleType) -> None:
 
 @contextlib.contextmanager
 def _installed_random_kernels(kernels: ModuleType) -> Iterator[None]:
-    if not _random_op_kernels:
+    if not _random_op_kernels and not _native:
         _register_random_kernels(kernels)
     yield
 
 
 def _register_random_kernels(kernels: ModuleType) -> None:
-    # torch's kernels, read before any of compile_rng's is registered: fresh at every
-    # registration (a backend registered since the last one is served)
+    native = native_kernels.load()
+    if native is None or not core_internals.below_python_key(native.LIVE_KEY):
+        _register_at_backend_keys(kernels, native)
+        return
+    # The Python kernels sit at a key no dispatch reaches, holding nothing of torch's: they
+    # are registered once for the process and kept (~4 ms that a step after uninstall()
+    # would pay), as are the C++ module's fallthrough at its key and the higher-order ops'
+    # passing it. What a dispatch can reach - the C++ kernels, and the key in a stream's
+    # thread state - is made here and taken away by uninstall().
+    if not _python_kernels:
+        served = [op for op in core_internals.random_op_overloads() if not core_internals.decomposes(op)]
+        library = torch.library.Library("aten", "IMPL")
+        for op in served:
+            library.impl(op, kernels.kernel(op, None), core_internals.PYTHON_KERNEL_KEY, with_keyset=True)
+        _python_kernels.append((library, _native_entries([(op, []) for op in served])))
+        _higher_order_ops_pass(core_internals.numbered_dispatch_key(native.LIVE_KEY))
+    _serve_natively(native, _python_kernels[0][1])
+    kernels.set_key_switch(native.include)
+
+
+def _register_at_backend_keys(kernels: ModuleType, native: ModuleType | None) -> None:
+    # Without the C++ module (or on torch 2.11 and 2.12): a kernel at each backend key where
+    # torch has one, over torch's kernel read now (a backend registered since the last
+    # registration is served) - the C++ kernel there calling the Python one by an unreached
+    # key, or without it the Python kernel itself.
     stocks: dict[Any, dict[str, Any]] = {}
     for op in core_internals.random_op_overloads():
         for key in core_internals.BACKEND_KEYS:
             if core_internals.has_backend_kernel(op, key):
                 stocks.setdefault(op, {})[key] = torch.library.get_kernel(op, key)
-    native = native_kernels.load()
     library = torch.library.Library("aten", "IMPL")
     _random_op_kernels.append(library)
     with warnings.catch_warnings():
@@ -389,19 +416,45 @@ def _register_random_kernels(kernels: ModuleType) -> None:
             for key in [core_internals.PYTHON_KERNEL_KEY] if native is not None else by_key:
                 library.impl(op, python_kernel, key, with_keyset=True)
     if native is not None:
-        _native.append(native)
-        native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
-                        *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
-        lanes = {op: i for i, op in enumerate(short_draws.LANE_OPS)}
-        lanes |= dict.fromkeys(short_draws.LANE_FACTORIES, short_draws.THROUGH_TORCH)
-        for op, by_key in stocks.items():
-            name, _, overload = op.name().partition(".")
-            native.serve(name, overload, list(by_key), core_internals.PYTHON_KERNEL_KEY,
-                         lanes.get(op, short_draws.NO_LANE))
+        _serve_natively(native, _native_entries([(op, list(by_key)) for op, by_key in stocks.items()]))
+
+
+def _native_entries(ops: list[tuple[Any, list[str]]]) -> list[tuple[str, str, int, list[str]]]:
+    # what the C++ module's serve() takes for `ops`, each with its backend keys (none: at
+    # the stream's key): (name, overload, lane index, keys)
+    lanes = {op: i for i, op in enumerate(short_draws.LANE_OPS)}
+    lanes |= dict.fromkeys(short_draws.LANE_FACTORIES, short_draws.THROUGH_TORCH)
+    entries = []
+    for op, keys in ops:
+        name, _, overload = op.name().partition(".")
+        entries.append((name, overload, lanes.get(op, short_draws.NO_LANE), keys))
+    return entries
+
+
+def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
+    # the C++ kernels and their lane
+    _native.append(native)
+    native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
+                    *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
+    native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
+
+
+def _higher_order_ops_pass(key: Any) -> None:
+    # A higher-order op computes its own dispatch keys, the thread's included ones among
+    # them, and raises at a key it has no kernel for: it passes the C++ kernels' key by,
+    # as it passes BackendSelect (those made later too)
+    defaults, made = core_internals.higher_order_op_defaults()
+    if key not in defaults:
+        defaults.append(key)
+    for hop in made:
+        hop.fallthrough(key)
 
 
 def _unregister_random_kernels() -> None:
-    for native in _native:  # first: they call the Python kernels
+    kernels = sys.modules.get("compile_rng.eager.random_kernels")
+    if kernels is not None:
+        kernels.set_key_switch(None)
+    for native in _native:
         native.clear()
     _native.clear()
     for library in _random_op_kernels:

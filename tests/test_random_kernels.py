@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import compile_rng
 from compile_rng._torch import core_internals
 from compile_rng.eager import dispatch_modes
+from device_threads import stream_key_in_thread_state
 
 
 def _python_frames(fn) -> list[str]:
@@ -121,16 +122,65 @@ def test_a_plain_op_in_a_step_runs_torchs_kernel_without_python():
         assert _compile_rng_frames(lambda: F.dropout(x, 0.5)) != []
 
 
+KERNEL_KEY = "Fake" if stream_key_in_thread_state() else "CPU"  # where a CPU draw meets compile_rng's kernel
+
+
+def _dispatch_lines(op) -> dict[str, str]:
+    """``op``'s dispatch table, key -> the line torch prints for it."""
+    return {line.partition(":")[0]: line for line in torch._C._dispatch_dump_table(op.name()).splitlines()}
+
+
 def test_every_random_overload_with_a_kernel_of_its_own_is_served():
     """Each aten overload tagged ``nondeterministic_seeded`` that has a CPU kernel of its
-    own (not a decomposition into the others) dispatches to compile_rng's kernel."""
+    own (not a decomposition into the others) has compile_rng's kernel at the key a stream
+    includes (torch 2.13+; on 2.11 and 2.12 at the CPU key), and torch's own at every other
+    backend key; no other key of it names compile_rng but the Python kernel's, which no
+    dispatch reaches."""
     with dispatch_modes.eager_stream():
         pass
     served = [op for op in core_internals.random_op_overloads() if core_internals.has_backend_kernel(op, "CPU")]
     assert {torch.ops.aten.bernoulli_.float, torch.ops.aten.native_dropout.default, torch.ops.aten.randperm.default} <= set(served)
     for op in served:
-        cpu = [line for line in torch._C._dispatch_dump_table(op.name()).splitlines() if line.startswith("CPU:")]
-        assert cpu and "compile_rng" in cpu[0], (op, cpu)
+        lines = _dispatch_lines(op)
+        assert "compile_rng" in lines[KERNEL_KEY] and "[kernel]" in lines[KERNEL_KEY], (op, lines[KERNEL_KEY])
+        if KERNEL_KEY == "Fake":
+            assert all("compile_rng" not in line for key, line in lines.items()
+                       if key not in ("Fake", core_internals.PYTHON_KERNEL_KEY)), op
+
+
+@pytest.mark.skipif(not stream_key_in_thread_state(), reason="torch 2.11 and 2.12: the kernels sit at the backend keys")
+def test_the_streams_key_is_in_a_threads_state_only_in_a_stream():
+    """The key compile_rng's kernels sit at is included while a stream is open - on a
+    backward's device thread too, with the handler - and gone after it, also when the block
+    raises; a DTensor region of torch's own tracker (``drawing(None)``) takes it out."""
+    from compile_rng.eager import random_kernels
+
+    def included() -> bool:
+        return "Fake" in str(torch._C._dispatch_tls_local_include_set())
+
+    assert not included()
+    seen = []
+    x = torch.ones(4, 4, requires_grad=True)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(included())
+            return g
+
+    with pytest.raises(KeyError):
+        with compile_rng.step(4):
+            assert included()
+            Probe.apply(x).sum().backward()
+            with random_kernels.drawing(None):
+                assert not included()
+            assert included()
+            raise KeyError("the block fails")
+    assert seen == [True] and not included()
 
 
 def _stock_draws() -> list[torch.Tensor]:
@@ -162,8 +212,13 @@ def test_outside_a_step_random_ops_are_torchs_values_errors_and_autograd():
     served, served_errors = _stock_draws(), errors()
     compile_rng.uninstall()
     try:
-        assert not any("compile_rng" in torch._C._dispatch_dump_table(op.name())
-                       for op in core_internals.random_op_overloads())
+        # no kernel of compile_rng is left where a dispatch can reach it: a fallthrough at
+        # the stream's key, and the Python kernels at a key no dispatch reaches, stay
+        for op in core_internals.random_op_overloads():
+            lines = _dispatch_lines(op)
+            assert "compile_rng" not in lines.get("Fake", "") or "fallthrough" in lines["Fake"], op
+            assert all("compile_rng" not in line for key, line in lines.items()
+                       if key not in ("Fake", core_internals.PYTHON_KERNEL_KEY)), op
         torch.manual_seed(11)
         stock, stock_errors = _stock_draws(), errors()
     finally:
@@ -173,7 +228,8 @@ def test_outside_a_step_random_ops_are_torchs_values_errors_and_autograd():
 
 
 def _registered() -> bool:
-    return "compile_rng" in torch._C._dispatch_dump_table(torch.ops.aten.bernoulli_.float.name())
+    line = _dispatch_lines(torch.ops.aten.bernoulli_.float).get(KERNEL_KEY, "")
+    return "compile_rng" in line and "[kernel]" in line
 
 
 def test_a_step_draws_the_stream_installed_uninstalled_and_reinstalled():
@@ -390,3 +446,24 @@ def test_without_a_cpp_compiler_the_python_kernels_serve(monkeypatch, tmp_path):
         native_kernels.load.cache_clear()
         compile_rng.install()
     assert all(torch.equal(a, b) for a, b in zip(native, fallback))
+
+
+@pytest.mark.skipif(not stream_key_in_thread_state(), reason="torch 2.11 and 2.12: the kernels sit at the backend keys")
+def test_a_higher_order_op_runs_eagerly_in_a_step():
+    """A higher-order op reads the thread's included keys itself and raised at the stream's
+    key (it has no kernel there) until it was told to pass it, as it passes BackendSelect:
+    ``torch.cond`` run eagerly in a step gives what it gives outside one, and a HOP made
+    later passes the key too (torch's default list holds it)."""
+    x = torch.arange(4.0)
+
+    def run():
+        return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+    outside = run()
+    with compile_rng.step(4):
+        inside = run()
+    assert torch.equal(inside, outside)
+    from compile_rng.eager import native_kernels
+
+    defaults, _ = core_internals.higher_order_op_defaults()
+    assert core_internals.numbered_dispatch_key(native_kernels.load().LIVE_KEY) in defaults

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -59,6 +60,10 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "tree_map",
     "trunc_normal_redraws",
     "has_backend_kernel",
+    "decomposes",
+    "higher_order_op_defaults",
+    "numbered_dispatch_key",
+    "below_python_key",
     "PYTHON_KERNEL_KEY",
     "backend_key",
     "cxx11_abi",
@@ -176,17 +181,20 @@ def remove_dispatch_mode(mode: TorchDispatchMode) -> None:
 # the dispatcher's ops, asking where an op has a kernel, the thread state the autograd
 # engine hands its device threads and a library's removal have no public form.
 
-#: The backend keys a random op's kernel is replaced at where torch has one: every dense
-#: device, as a dispatch mode sees every device (Meta is left alone: tracing sees stock shapes).
+#: The backend keys compile_rng draws random ops on (its kernel replaces torch's there on
+#: torch 2.11 and 2.12, or without a C++ compiler): every dense device, as a dispatch mode
+#: sees every device (Meta is left alone: tracing sees stock shapes).
 BACKEND_KEYS = (
     "CPU", "CUDA", "HIP", "XPU", "MPS", "HPU", "MTIA", "MAIA", "IPU", "VE", "XLA", "Lazy",
     "PrivateUse1", "PrivateUse2", "PrivateUse3",
 )
 
 
-def random_op_overloads() -> list[OpOverload]:
+@functools.cache
+def random_op_overloads() -> tuple[OpOverload, ...]:
     """Every aten overload tagged ``nondeterministic_seeded`` (``torch._C._dispatch_get_all_op_names``;
-    2.11.0-2.15.0): ~150, listed in ~0.1 s."""
+    2.11.0-2.15.0): ~150, listed once per process (~12 ms: aten's operators are all
+    registered when torch is imported)."""
     found = []
     for name in torch._C._dispatch_get_all_op_names():
         namespace, _, qualified = name.partition("::")
@@ -197,14 +205,15 @@ def random_op_overloads() -> list[OpOverload]:
         op = getattr(packet, overload or "default", None) if packet is not None else None
         if isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
             found.append(op)
-    return found
+    return tuple(found)
 
 
 #: The dispatch key compile_rng's Python random-op kernels are registered at under the C++
 #: ones (:mod:`compile_rng.eager.native_kernels`), which call them by it: torch's
-#: ``CustomRNGKeyId``, which no tensor carries and no thread's state includes, so no
-#: dispatch reaches it.
-PYTHON_KERNEL_KEY = "CustomRNGKeyId"
+#: ``TESTING_ONLY_GenericMode``, which no tensor carries and only torch's own C++ tests
+#: include in a thread's state, so no dispatch reaches it. (Not ``CustomRNGKeyId``, which a
+#: custom RNG extension's generators dispatch to.)
+PYTHON_KERNEL_KEY = "TESTING_ONLY_GenericMode"
 
 
 def backend_key(keyset: Any) -> Any:
@@ -231,10 +240,37 @@ def has_backend_kernel(op: OpOverload, key: str) -> bool:
     CompositeExplicitAutograd registration), not a CompositeImplicitAutograd
     decomposition, which must keep running above autograd
     (``torch._C._dispatch_has_computed_kernel_for_dispatch_key``; 2.11.0-2.15.0)."""
-    name = op.name()
-    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, key) and not (
-        torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
-    )
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key) and not decomposes(op)
+
+
+def higher_order_op_defaults() -> tuple[list, list]:
+    """The dispatch keys every higher-order operator (``torch.cond``, checkpoint's, flex
+    attention's) made from now on passes by (``torch._ops._HIGHER_ORDER_OP_DEFAULT_FALLTHROUGH_DISPATCH_KEYS``),
+    and the ones made so far (``_higher_order_ops``), each with ``fallthrough(key)``: a HOP
+    reads the thread's included keys and raises at one it has no Python kernel for
+    (2.11.0-2.15.0)."""
+    from torch import _ops
+
+    return _ops._HIGHER_ORDER_OP_DEFAULT_FALLTHROUGH_DISPATCH_KEYS, list(_ops._higher_order_ops.values())
+
+
+def numbered_dispatch_key(number: int) -> Any:
+    """The ``torch._C.DispatchKey`` numbered ``number``, also one the Python enum has no
+    name for (``Fake``; pybind11's enum takes any number; 2.11.0-2.15.0)."""
+    return torch._C.DispatchKey(number)
+
+
+def below_python_key(number: int) -> bool:
+    """Whether dispatch key number ``number`` runs after the Python key (a dispatch mode's
+    or a tensor subclass's), whose inner ops exclude every key above it: ``Fake`` does on
+    torch 2.13-2.15, not on 2.11 and 2.12 (the enum's order is the keys' priority)."""
+    return number < int(torch._C.DispatchKey.Python)
+
+
+def decomposes(op: OpOverload) -> bool:
+    """Whether ``op`` is a CompositeImplicitAutograd decomposition, which runs above
+    autograd, into other ops (``torch._C._dispatch_has_kernel_for_dispatch_key``; 2.11.0-2.15.0)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 class _Cell:

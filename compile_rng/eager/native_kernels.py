@@ -1,13 +1,19 @@
 """compile_rng's random-op kernels in C++ (``csrc/random_op_kernels.cpp``), built at first use.
 
-A kernel in C++ at each backend key of each random op calls torch's own kernel when the
-thread is in no stream - no Python frame, the GIL left released - and compile_rng's
-Python kernel inside one (:mod:`compile_rng.eager.random_kernels`). It is compiled with the
-system's C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) against the installed
-torch's headers and libraries, once per torch build and source, and cached beside the C
-kernels (``$COMPILE_RNG_CACHE``, default ``~/.cache/compile_rng``; ``make setup`` builds it
-ahead). Where it cannot be built, :func:`load` returns None after one warning, and the
-Python kernels sit at the backend keys themselves, as before.
+On torch 2.13+ each random op has a kernel in C++ at a dispatch key (torch's ``Fake``) that
+only a stream's thread state includes (``include``, switched with the stream's handler by
+:mod:`compile_rng.eager.random_kernels`), with a fallthrough there for every other op:
+outside every stream no dispatch reaches compile_rng, and every random op runs torch's
+kernels as stock torch. Inside a stream the kernel calls compile_rng's Python kernel
+(:mod:`compile_rng.eager.random_kernels`), over torch's kernels below the key, redispatched
+at each call. On torch 2.11 and 2.12, whose ``Fake`` key sits above the Python key (a
+dispatch mode's inner ops exclude it), the kernels sit at each backend key instead, over
+torch's kernel there: outside a stream they call it at once, with no Python frame and the
+GIL left released. The module is compiled with the system's C++ compiler (``$CXX``, else
+``g++``/``c++``/``clang++``) against the installed torch's headers and libraries, once per
+torch build and source, and cached beside the C kernels (``$COMPILE_RNG_CACHE``, default
+``~/.cache/compile_rng``; ``make setup`` builds it ahead). Where it cannot be built,
+:func:`load` returns None after one warning, and Python kernels sit at the backend keys.
 
 Inside the eager stream the common fills - ``bernoulli_(p)``, ``uniform_``, ``normal_`` on a
 plain dense float32 CPU tensor - take a lane in C++ in front of the Python kernel: their
@@ -18,10 +24,10 @@ path's own), then compile_rng's CPU kernel into the tensor with the GIL released
 the Python kernel, nothing reserved first. The installer hands the lane what it calls
 (``set_lane``).
 
-The C++ source uses four private torch C++ APIs, named in its header with the releases
+The C++ source uses five private torch C++ APIs, named in its header with the releases
 checked (``at::impl::ThreadLocalPythonObjects``,
 ``OperatorHandle::getComputedKernelForDispatchKey``, ``TorchDispatchModeTLS::stack_len``,
-``PyObjectSlot::load_pyobj``); the ABI to build with is read through
+``PyObjectSlot::load_pyobj``, the ``Fake`` dispatch key); the ABI to build with is read through
 :func:`compile_rng._torch.core_internals.cxx11_abi`.
 """
 
@@ -121,8 +127,8 @@ def build() -> tuple[str, Path]:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The built module (``serve``, ``clear``), or None - with one warning saying what
-    that costs - where it cannot be built or loaded."""
+    """The built module (``serve``, ``set_lane``, ``include``, ``clear``, ``LIVE_KEY``), or
+    None - with one warning saying what that costs - where it cannot be built or loaded."""
     try:
         name, path = build()
         spec = importlib.util.spec_from_loader(name, importlib.machinery.ExtensionFileLoader(name, str(path)))

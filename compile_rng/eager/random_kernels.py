@@ -5,28 +5,29 @@ call, :func:`~compile_rng.eager.dispatch_modes.eager_stream`) every aten random 
 plain tensor must draw compile_rng's values, and every other op must run as in stock
 torch, at its speed. A dispatch mode sees every op (a Python call each: +2.6 us per op
 on a Zen 4 core, before any work); instead each random overload (the
-``nondeterministic_seeded`` tag) gets a kernel at each backend key where torch has one,
-wrapping torch's. Outside every stream that kernel calls torch's at once, in C++
-(:mod:`compile_rng.eager.native_kernels`): no Python frame, and the GIL stays released as
-the op's binding released it. Inside a stream it calls the Python kernel here (:func:`kernel`,
-registered at a dispatch key no dispatch reaches), which calls the *handler* of the
-stream the thread is in. Every other op never reaches compile_rng. (Where no C++
-compiler is found, the Python kernels sit at the backend keys themselves: every random op
-then enters Python once a stream has run.)
+``nondeterministic_seeded`` tag) gets a kernel in C++ (:mod:`compile_rng.eager.native_kernels`)
+at a dispatch key that only a stream's thread state includes: outside every stream no
+dispatch reaches it, and every random op runs torch's kernels exactly as stock torch. In a
+stream that kernel calls the Python kernel here (:func:`kernel`, registered at a dispatch
+key no dispatch reaches), which calls the *handler* of the stream the thread is in, over
+torch's kernels below the key (read at each call, so a backend registered at any time is
+served). Every other op passes the key by a fallthrough. (Where no C++ compiler is found,
+the Python kernels sit at the backend keys themselves: every random op then enters Python
+once a stream has run.)
 
-Why the backend keys: they sit below autograd, where a dispatch mode sits, so autograd
-records torch's own backward (dropout's mask multiply) around compile_rng's values, and
-in-place ops get torch's version counting. Tracing (FakeTensor, Dynamo, export) runs
-the Meta kernels, which stay torch's. CompositeImplicitAutograd ops (``dropout``, SDPA,
-``lstm``) are left alone: they decompose, above autograd, into the ops served here.
+Why those keys: they sit below autograd, where a dispatch mode sits, so autograd records
+torch's own backward (dropout's mask multiply) around compile_rng's values, and in-place
+ops get torch's version counting. Tracing (FakeTensor, Dynamo, export) runs the Meta
+kernels, which stay torch's. CompositeImplicitAutograd ops (``dropout``, SDPA, ``lstm``)
+are left alone: they decompose, above autograd, into the ops served here.
 
-The handler lives in the thread's dispatcher state, which the autograd engine hands to
-its device threads: a CUDA backward's recomputation (activation checkpointing) draws
+The handler lives in the thread's state with the included key, which the autograd engine
+hands its device threads: a CUDA backward's recomputation (activation checkpointing) draws
 from the stream as its forward did, with a copy of the caller's context variables (the
 step's rows and names, which a device thread does not have). The kernels are registered
 at the first stream (``compile_rng.installation`` makes the change, through
-:func:`set_installer`; torch's kernels are read then, so a backend registered before it
-is served) and stay until ``compile_rng.uninstall()``.
+:func:`set_installer`) and stay until ``compile_rng.uninstall()``; the installer also hands
+over the switch of the key (:func:`set_key_switch`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ Handler = Callable[[OpOverload, tuple, dict, Callable[..., Any]], Any]
 
 _THREAD_KEY = "compile_rng_random_op_handler"
 _installer: Callable[[], AbstractContextManager[None]] | None = None
+# includes the C++ kernels' dispatch key in this thread's state, or takes it out (None: the
+# Python kernels sit at the backend keys)
+_key_switch: Callable[[bool], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,25 @@ def set_installer(installer: Callable[[], AbstractContextManager[None]]) -> None
     _installer = installer
 
 
-def kernel(op: OpOverload, stocks: dict[Any, Any]) -> Callable[..., Any]:
+def set_key_switch(switch: Callable[[bool], bool] | None) -> None:
+    """Set what includes the C++ kernels' dispatch key in a thread's state (returning the
+    previous setting), or None where the Python kernels sit at the backend keys."""
+    global _key_switch
+    _key_switch = switch
+
+
+def kernel(op: OpOverload, stocks: dict[Any, Any] | None) -> Callable[..., Any]:
     """The Python kernel for ``op``, to be registered ``with_keyset``: the stream's handler,
-    over torch's kernel for the call's backend key (``stocks``: backend key -> torch's
-    kernel, ``torch.library.get_kernel`` results read before any registration)."""
+    over torch's kernel for the call. ``stocks`` (backend key -> torch's kernel,
+    ``torch.library.get_kernel`` results read before any registration) where the kernel sits
+    at the backend keys; None under the C++ kernels, which call it with the keys below
+    theirs: the op is redispatched to those."""
 
     def random_op_kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        stock = functools.partial(stocks[backend_key(keyset)].call_boxed, keyset)
+        if stocks is None:
+            stock = functools.partial(op.redispatch, keyset)
+        else:
+            stock = functools.partial(stocks[backend_key(keyset)].call_boxed, keyset)
         drawing = thread_object(_THREAD_KEY)
         if drawing is None:
             return stock(*args, **kwargs)
@@ -124,11 +140,11 @@ def guarded(guard: Handler) -> Iterator[None]:
     if _installer is None:
         raise RuntimeError("compile_rng internal error: the random ops' kernels were never offered")
     with _installer():
-        set_thread_object(_THREAD_KEY, _Drawing(guard, threading.get_ident(), contextvars.copy_context(), stream=False))
+        _hold(_Drawing(guard, threading.get_ident(), contextvars.copy_context(), stream=False))
         try:
             yield
         finally:
-            set_thread_object(_THREAD_KEY, None)
+            _hold(None)
 
 
 def stream_here() -> tuple[Handler, contextvars.Context] | None:
@@ -165,17 +181,25 @@ def drawing(handler: Handler | None, context: contextvars.Context | None = None)
     with _installer() if handler is not None else contextlib.nullcontext(), _counted(handler is not None):
         previous = thread_object(_THREAD_KEY)
         if handler is None:
-            set_thread_object(_THREAD_KEY, None)
+            _hold(None)
         elif context is None:
-            set_thread_object(_THREAD_KEY, _Drawing(handler, threading.get_ident(), contextvars.copy_context()))
+            _hold(_Drawing(handler, threading.get_ident(), contextvars.copy_context()))
         else:
-            set_thread_object(_THREAD_KEY, _Drawing(handler, None, context))
+            _hold(_Drawing(handler, None, context))
         pid = os.getpid()
         try:
             yield
         finally:
             # a process forked inside the block draws torch's values (_forget_in_child)
-            set_thread_object(_THREAD_KEY, previous if os.getpid() == pid else None)
+            _hold(previous if os.getpid() == pid else None)
+
+
+def _hold(drawing: _Drawing | None) -> None:
+    # the thread's object and the C++ kernels' key go together: the key is included exactly
+    # while there is an object to serve the draws
+    set_thread_object(_THREAD_KEY, drawing)
+    if _key_switch is not None:
+        _key_switch(drawing is not None)
 
 
 @contextlib.contextmanager
@@ -197,7 +221,7 @@ def _forget_in_child() -> None:
     # A process forked inside a stream (a DataLoader's workers started in a step) copied
     # the forking thread's handler: its random ops are torch's, as in any other process.
     global _open_lock
-    set_thread_object(_THREAD_KEY, None)
+    _hold(None)
     _open_lock = threading.Lock()  # another thread may have held it at the fork
     _open[0] = 0
 

@@ -1,39 +1,63 @@
-// compile_rng's kernels for torch's random ops at the backend keys, in C++ (built at first
-// use by compile_rng/eager/native_kernels.py).
+// compile_rng's kernels for torch's random ops, in C++ (built at first use by
+// compile_rng/eager/native_kernels.py).
 //
-// Each kernel wraps torch's own kernel for its (op, backend key). Outside every stream it
-// calls that kernel at once: no Python, and the GIL stays released as the op's binding
-// released it (torch 2.11/2.12: taken for a moment to read the thread's cell, below). Inside a stream - the thread's state holds compile_rng's handler, which the
-// autograd engine hands its device threads too - it calls compile_rng's Python kernel for
-// the op (registered at a dispatch key no dispatch reaches), which draws from the stream.
-// The common fills have a lane here too: bernoulli_(p) (dropout's), uniform_ and normal_
-// (rand's, randn's) on a plain dense float32 CPU tensor in the eager stream take their
-// counters from one Python call (compile_rng.eager.short_draws.lane_counter, on the Python
-// kernel's own path) and are filled by compile_rng's CPU kernels with the GIL released,
-// skipping the Python kernel's layers (~13 us a call on a Xeon core). Anything the lane does
-// not serve takes the Python kernel as before.
+// Each random op has a kernel here at one dispatch key, kLiveKey (torch's `Fake`, which no
+// tensor carries and torch registers nothing at), with a fallthrough for every other op.
+// No dispatch reaches that key unless the thread's dispatch state includes it, and only a
+// compile_rng stream includes it (include(), from compile_rng.eager.random_kernels), for
+// the stream's length: outside streams every random op runs torch's own kernels exactly as
+// stock torch, with nothing of compile_rng in between. The thread state - the included key
+// with the stream's handler beside it - is what the autograd engine hands its device
+// threads, so a backward's recomputation draws from the stream too.
+//
+// The key sits below autograd and ADInplaceOrView (autograd records torch's backward
+// around compile_rng's values; in-place draws count versions), below the Python key (a
+// dispatch mode or a tensor subclass sees the op first, and its inner ops come here) and
+// above BackendSelect (a factory such as randperm is seen with its own arguments). Tensors
+// of backends compile_rng does not serve (Meta: tracing) go on to torch's kernels at once:
+// the op is redispatched below the key, to torch's kernels as they are registered now.
+// torch 2.11 and 2.12 order `Fake` above the Python key, whose inner ops exclude every key
+// above it: there the kernels sit at the backend keys instead, over torch's kernel there,
+// and outside streams call it at once, with no Python and no GIL.
+//
+// In a stream the kernel calls compile_rng's Python kernel for the op (registered at
+// kPythonKernelKey, which no dispatch reaches), which draws from the stream. The common
+// fills have a lane here too: bernoulli_(p) (dropout's), uniform_ and normal_ (rand's,
+// randn's) on a plain dense float32 CPU tensor in the eager stream take their counters from
+// one Python call (compile_rng.eager.short_draws.lane_counter, on the Python kernel's own
+// path) and are filled by compile_rng's CPU kernels with the GIL released, skipping the
+// Python kernel's layers (~13 us a call on a Xeon core). Anything the lane does not serve
+// takes the Python kernel as before.
 //
 // Private torch C++ API, checked on torch 2.11-2.15: at::impl::ThreadLocalPythonObjects
 // (the thread state torch._C._stash_obj_in_tls writes),
-// c10::OperatorHandle::getComputedKernelForDispatchKey (torch.library.get_kernel's) and
-// c10::impl::TorchDispatchModeTLS::stack_len (torch.utils._python_dispatch's mode stack) and
-// c10::impl::PyObjectSlot::load_pyobj (a tensor's Python object, if it has one).
+// c10::OperatorHandle::getComputedKernelForDispatchKey (torch.library.get_kernel's),
+// c10::impl::TorchDispatchModeTLS::stack_len (torch.utils._python_dispatch's mode stack),
+// c10::impl::PyObjectSlot::load_pyobj (a tensor's Python object, if it has one), and the
+// `Fake` dispatch key (torch 2.11-2.15 register no kernel or fallback there; 2.13+ put it
+// below the Python key, 2.11 and 2.12 above it).
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorOptions.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <unordered_set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -41,12 +65,14 @@ namespace {
 // The key of compile_rng's handler in the thread state (compile_rng.eager.random_kernels).
 const std::string kHandlerKey = "compile_rng_random_op_handler";
 
+// The key the random ops' kernels here sit at, included in a thread's dispatch state only
+// inside compile_rng's streams (see the header).
+constexpr c10::DispatchKey kLiveKey = c10::DispatchKey::Fake;
+
 // The thread's stream object (compile_rng.eager.random_kernels._Drawing) as a new
-// reference, or nullptr outside a stream; the GIL held. torch 2.13+ removes the key outside
-// streams, so a caller checks `contains` first and takes no GIL there. torch 2.11 and 2.12
-// cannot remove a key, so there the thread keeps one cell (an object with a `value` slot,
-// compile_rng._torch.core_internals._Cell) whose value is None outside a stream: reading it
-// takes the GIL for that moment, never for the draw.
+// reference, or nullptr; the GIL held, and the key checked with `contains` first. torch
+// 2.11 and 2.12 cannot remove a key, so there the thread keeps one cell (an object with a
+// `value` slot, compile_rng._torch.core_internals._Cell) whose value is None outside a stream.
 PyObject* drawing_here() {
   const auto& held = at::impl::ThreadLocalPythonObjects::get(kHandlerKey);
   PyObject* object = held->ptr(&held->pyinterpreter());
@@ -238,13 +264,22 @@ constexpr int64_t kThroughTorch = -2;
 
 class RandomOpKernel final : public c10::OperatorKernel {
  public:
-  // lane_op: the op's index in short_draws.LANE_OPS, kThroughTorch, or -1
-  RandomOpKernel(c10::SafeKernelFunction stock, c10::SafeKernelFunction stream, int64_t lane_op)
-      : stock_(std::move(stock)), stream_(std::move(stream)), lane_op_(lane_op) {}
+  // stream: the op's Python kernel; lane_op: the op's index in short_draws.LANE_OPS,
+  // kThroughTorch, or -1. At kLiveKey: served, the backend keys compile_rng draws on, and
+  // options, where the op's dtype, layout and device arguments are (a factory's, else -1).
+  // At a backend key: stock, torch's kernel there.
+  RandomOpKernel(c10::SafeKernelFunction stream, int64_t lane_op, std::vector<c10::DispatchKey> served,
+                 std::array<int, 3> options, std::optional<c10::SafeKernelFunction> stock = std::nullopt)
+      : stream_(std::move(stream)), lane_op_(lane_op), served_(std::move(served)), options_(options),
+        stock_(std::move(stock)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-    if (!at::impl::ThreadLocalPythonObjects::contains(kHandlerKey)) {
-      stock_.callBoxed(op, keys, stack);
+    // at a backend key every call comes here, in a stream or not: outside one, torch's
+    // kernel at once, with no GIL (the key is in the thread state only in a stream)
+    const c10::DispatchKeySet below =
+        stock_ ? keys : keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kLiveKey);
+    if (stock_ ? !at::impl::ThreadLocalPythonObjects::contains(kHandlerKey) : !served(op, below, *stack)) {
+      call_below(op, below, stack);
       return;
     }
     const size_t arity = op.schema().arguments().size();
@@ -252,7 +287,7 @@ class RandomOpKernel final : public c10::OperatorKernel {
     Fill fill{};
     {
       pybind11::gil_scoped_acquire gil;
-      PyObject* here = drawing_here();
+      PyObject* here = at::impl::ThreadLocalPythonObjects::contains(kHandlerKey) ? drawing_here() : nullptr;
       if (here != nullptr) {
         drawing = true;
         try {
@@ -272,23 +307,53 @@ class RandomOpKernel final : public c10::OperatorKernel {
     if (reserved) {
       fill_on_lane(stack, arity, fill);
     } else if (through_torch) {
-      run_through_torch(op, keys, stack);
+      run_through_torch(op, below, stack);
+    } else if (drawing) {
+      stream_.callBoxed(op, below, stack);
     } else {
-      (drawing ? stream_ : stock_).callBoxed(op, keys, stack);
+      call_below(op, below, stack);
     }
   }
 
  private:
+  // torch's kernels for the op below this one: the one read at registration at a backend
+  // key, else a redispatch (torch's kernels as registered now)
+  void call_below(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) const {
+    if (stock_) {
+      stock_->callBoxed(op, below, stack);
+    } else {
+      op.redispatchBoxed(below, stack);
+    }
+  }
+
+  // Whether the call is on a backend compile_rng serves, where torch has a kernel of the
+  // op (else torch's kernels run it, as with no stream): the backend of the tensors, or for
+  // a factory (BackendSelect's turn) the one its arguments name, as BackendSelect reads it.
+  bool served(const c10::OperatorHandle& op, c10::DispatchKeySet below, const torch::jit::Stack& stack) const {
+    c10::DispatchKey key = below.highestPriorityTypeId();
+    if (key == c10::DispatchKey::BackendSelect) {
+      const size_t first = stack.size() - op.schema().arguments().size();
+      const auto option = [&](int index) -> const c10::IValue* {
+        return index < 0 || stack[first + index].isNone() ? nullptr : &stack[first + index];
+      };
+      const c10::IValue *dtype = option(options_[0]), *layout = option(options_[1]), *device = option(options_[2]);
+      key = c10::computeDispatchKey(dtype ? std::optional<c10::ScalarType>(dtype->toScalarType()) : std::nullopt,
+                                    layout ? std::optional<c10::Layout>(layout->toLayout()) : std::nullopt,
+                                    device ? std::optional<c10::Device>(device->toDevice()) : std::nullopt);
+    }
+    return std::find(served_.begin(), served_.end(), key) != served_.end() && op.hasComputedKernelForDispatchKey(key);
+  }
+
   // torch's kernel of a LANE_FACTORIES op, whose fill draws from the stream. compile_rng's
   // refusals (NotImplementedError: the rows, the batch dim, a replay) come before anything is
   // reserved: the op's own Python kernel then raises it again, naming the op the user called
   // (rand, not the uniform_ inside it). Any other error stands as it is (it may come after a
   // reservation, which a second run would repeat), and so does the first error should the
   // op's kernel not raise: the two paths would disagree.
-  void run_through_torch(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  void run_through_torch(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
     const torch::jit::Stack arguments = *stack;
     try {
-      stock_.callBoxed(op, keys, stack);
+      call_below(op, below, stack);
     } catch (pybind11::error_already_set& error) {
       bool refused = false;
       {
@@ -299,7 +364,7 @@ class RandomOpKernel final : public c10::OperatorKernel {
         throw;
       }
       *stack = arguments;
-      stream_.callBoxed(op, keys, stack);
+      stream_.callBoxed(op, below, stack);
       throw;
     }
   }
@@ -324,13 +389,15 @@ class RandomOpKernel final : public c10::OperatorKernel {
     stack->emplace_back(std::move(self));
   }
 
-  c10::SafeKernelFunction stock_;
   c10::SafeKernelFunction stream_;
   int64_t lane_op_;
+  std::vector<c10::DispatchKey> served_;
+  std::array<int, 3> options_;
+  std::optional<c10::SafeKernelFunction> stock_;
 };
 
-// A warning handler that drops torch's "Overriding a previously registered kernel": here
-// that is the point, and the kernel calls the one it overrides.
+// A warning handler that drops torch's "Overriding a previously registered kernel" (at a
+// backend key): here that is the point, and the kernel calls the one it overrides.
 class Quiet final : public c10::WarningHandler {
  public:
   void process(const c10::Warning&) override {}
@@ -338,24 +405,74 @@ class Quiet final : public c10::WarningHandler {
 
 std::vector<std::unique_ptr<torch::Library>> libraries;
 
-// Wrap op `name`.`overload`'s kernel at each of `keys` (backend keys where torch has one);
-// in a stream they call the op's kernel at `stream_key` (compile_rng's Python kernel), or
-// take the lane (`lane_op`: the op's index in short_draws.LANE_OPS, -2 for the
-// LANE_FACTORIES, -1 for none).
-void serve(const std::string& name, const std::string& overload, const std::vector<std::string>& keys,
-           const std::string& stream_key, int64_t lane_op) {
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
-  auto stream = op.getComputedKernelForDispatchKey(c10::parseDispatchKey(stream_key));
+// A fallthrough at kLiveKey for every op, registered once for the process and kept: a
+// thread that includes the key runs every op compile_rng has no kernel for as if the key
+// were not there (torch would raise on a key with no kernel). No dispatch reaches it
+// otherwise; registering a fallback costs ~1 ms, which a step after uninstall() would pay.
+void fall_through_once() {
+  static const bool registered = [] {
+    static torch::Library library(torch::Library::IMPL, "_", kLiveKey, __FILE__, __LINE__);
+    library.fallback(torch::CppFunction::makeFallthrough());
+    return true;
+  }();
+  (void)registered;
+}
+
+// Where each of an op's arguments dtype, layout and device is (-1: none).
+std::array<int, 3> option_arguments(const c10::OperatorHandle& op) {
+  std::array<int, 3> options{-1, -1, -1};
+  const auto& arguments = op.schema().arguments();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const std::string& argument = arguments[i].name();
+    const int at = argument == "dtype" ? 0 : argument == "layout" ? 1 : argument == "device" ? 2 : -1;
+    if (at >= 0) {
+      options[at] = static_cast<int>(i);
+    }
+  }
+  return options;
+}
+
+// Serve each op of `ops` - (name, overload, lane_op, keys) - calling, in a stream, the op's
+// kernel at `stream_key` (compile_rng's Python kernel), or taking the lane (`lane_op`: the
+// op's index in short_draws.LANE_OPS, -2 for the LANE_FACTORIES, -1 for none). With no
+// `keys`, at kLiveKey, drawing on the backend keys `backends`; else at each of `keys` (torch
+// 2.11 and 2.12, whose Python key sits below kLiveKey: a dispatch mode's or a subclass's
+// inner ops would pass it by), over torch's kernel there, read now.
+void serve(const std::vector<std::tuple<std::string, std::string, int64_t, std::vector<std::string>>>& ops,
+           const std::string& stream_key, const std::vector<std::string>& backends) {
+  std::vector<c10::DispatchKey> served;
+  for (const auto& backend : backends) {
+    served.push_back(c10::parseDispatchKey(backend));
+  }
+  const c10::DispatchKey python_kernel_key = c10::parseDispatchKey(stream_key);
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__, __LINE__);
-  const std::string qualified = name.substr(name.find("::") + 2) + (overload.empty() ? "" : "." + overload);
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-  for (const auto& key : keys) {
-    const auto k = c10::parseDispatchKey(key);
-    library->impl(qualified.c_str(), torch::dispatch(k, torch::CppFunction::makeFromBoxedFunctor(
-        std::make_unique<RandomOpKernel>(op.getComputedKernelForDispatchKey(k), stream, lane_op))));
+  for (const auto& [name, overload, lane_op, keys] : ops) {
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const auto stream = op.getComputedKernelForDispatchKey(python_kernel_key);
+    const std::string qualified = name.substr(name.find("::") + 2) + (overload.empty() ? "" : "." + overload);
+    if (keys.empty()) {
+      fall_through_once();
+      library->impl(qualified.c_str(), torch::dispatch(kLiveKey, torch::CppFunction::makeFromBoxedFunctor(
+          std::make_unique<RandomOpKernel>(stream, lane_op, served, option_arguments(op)))));
+    }
+    for (const auto& key : keys) {
+      const auto k = c10::parseDispatchKey(key);
+      library->impl(qualified.c_str(), torch::dispatch(k, torch::CppFunction::makeFromBoxedFunctor(
+          std::make_unique<RandomOpKernel>(stream, lane_op, std::vector<c10::DispatchKey>{}, std::array<int, 3>{-1, -1, -1},
+                                           op.getComputedKernelForDispatchKey(k)))));
+    }
   }
   libraries.push_back(std::move(library));
+}
+
+// Include kLiveKey in this thread's dispatch state (a stream opens) or take it out; the
+// previous setting is returned.
+bool include(bool on) {
+  const bool was = c10::impl::tls_is_dispatch_key_included(kLiveKey);
+  c10::impl::tls_set_dispatch_key_included(kLiveKey, on);
+  return was;
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module, the
@@ -392,6 +509,8 @@ void clear() {
 
 PYBIND11_MODULE(COMPILE_RNG_MODULE, m) {
   m.def("serve", &serve);
+  m.def("include", &include);
+  m.attr("LIVE_KEY") = static_cast<int>(kLiveKey);  // the key's number (torch's Python enum has no name for it)
   m.def("set_lane", &set_lane);
   m.def("clear", &clear);
 }
