@@ -391,7 +391,17 @@ def _register_random_kernels(kernels: ModuleType) -> None:
             library.impl(op, kernels.kernel(op, None), core_internals.PYTHON_KERNEL_KEY, with_keyset=True)
         _python_kernels.append((library, _native_entries([(op, []) for op in served])))
         _higher_order_ops_pass(core_internals.numbered_dispatch_key(native.LIVE_KEY))
-    _serve_natively(native, _python_kernels[0][1])
+    try:
+        _serve_natively(native, _python_kernels[0][1])
+    except RuntimeError as error:
+        # another fallback at the key (a fake-tensor backend's: the key is torch's own,
+        # unused in 2.11-2.15): the backend keys serve instead, nothing drawn wrongly
+        warnings.warn(f"compile_rng's random-op kernels cannot sit at torch's Fake dispatch key ({error}); "
+                      "they sit at the backend keys instead (+0.1-0.4 us per random op outside streams)",
+                      RuntimeWarning, stacklevel=2)
+        _register_at_backend_keys(kernels, native)
+        return
+    # kept after uninstall(): a guard open across it takes its key out on exit
     kernels.set_key_switch(native.include)
 
 
@@ -432,11 +442,15 @@ def _native_entries(ops: list[tuple[Any, list[str]]]) -> list[tuple[str, str, in
 
 
 def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
-    # the C++ kernels and their lane
-    _native.append(native)
+    # the C++ kernels and their lane, all or nothing: recorded as registered only once served
     native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
                     *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
-    native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
+    try:
+        native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
+    except BaseException:
+        native.clear()
+        raise
+    _native.append(native)
 
 
 def _higher_order_ops_pass(key: Any) -> None:
@@ -451,9 +465,6 @@ def _higher_order_ops_pass(key: Any) -> None:
 
 
 def _unregister_random_kernels() -> None:
-    kernels = sys.modules.get("compile_rng.eager.random_kernels")
-    if kernels is not None:
-        kernels.set_key_switch(None)
     for native in _native:
         native.clear()
     _native.clear()

@@ -467,3 +467,71 @@ def test_a_higher_order_op_runs_eagerly_in_a_step():
 
     defaults, _ = core_internals.higher_order_op_defaults()
     assert core_internals.numbered_dispatch_key(native_kernels.load().LIVE_KEY) in defaults
+
+
+def test_a_step_under_torchs_python_dispatcher_draws_the_stream():
+    """torch keeps its Python dispatcher's key in every keyset a kernel redispatches with
+    (``make_fx(pre_dispatch=True)`` turns the dispatcher on): it names no backend, so the
+    draws under it are the stream's, as without it (they drew torch's values silently, or
+    raised a KeyError, before)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    def draws(dispatcher: bool):
+        compile_rng.set_state(7, 0)
+        with compile_rng.step(4), enable_python_dispatcher() if dispatcher else contextlib.nullcontext():
+            values = [F.dropout(torch.ones(4, 4), 0.5), torch.rand(4, 3), torch.empty(4, 2).uniform_()]
+        return values, compile_rng.get_state()
+
+    plain, under = draws(False), draws(True)
+    assert plain[1] == under[1] and plain[1][1] > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], under[0]))
+
+
+@pytest.mark.skipif(not stream_key_in_thread_state(), reason="torch 2.11 and 2.12: the kernels sit at the backend keys")
+def test_uninstall_inside_a_guard_leaves_no_key_behind():
+    """A layout block is no stream (``uninstall()`` is allowed in it), but it holds a guard
+    and the key: leaving it after ``uninstall()`` takes the key out all the same."""
+    def included() -> bool:
+        return "Fake" in str(torch._C._dispatch_tls_local_include_set())
+
+    try:
+        with compile_rng.layout("invariant"):
+            torch.rand(2)  # the guard is held while a random op runs
+            compile_rng.uninstall()
+        assert not included()
+    finally:
+        compile_rng.install()
+
+
+TAKEN_KEY = r"""
+import sys, warnings, torch
+from torch.library import Library, fallthrough_kernel
+taken = Library("_", "IMPL")
+taken.fallback(fallthrough_kernel, "Fake")  # another fallback at the key, first
+import compile_rng
+compile_rng.set_state(7, 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with compile_rng.step(4):
+        values = [torch.nn.functional.dropout(torch.ones(4, 4), 0.5), torch.rand(4, 3)]
+assert any("cannot sit at torch's Fake dispatch key" in str(w.message) for w in caught), [str(w.message) for w in caught]
+torch.save((values, compile_rng.get_state()), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not stream_key_in_thread_state(), reason="torch 2.11 and 2.12: the kernels sit at the backend keys")
+def test_with_the_key_taken_the_backend_keys_serve(tmp_path):
+    """Where another fallback already holds the key (a fake-tensor backend's: the key is
+    torch's, unused in 2.11-2.15), the kernels go to the backend keys with a warning, and a
+    step draws the stream's values (they drew torch's, silently, when the failed
+    registration was taken for done)."""
+    import subprocess
+
+    out = tmp_path / "draws.pt"
+    subprocess.run([sys.executable, "-c", TAKEN_KEY, str(out)], check=True, timeout=300)
+    values, state = torch.load(out)
+    compile_rng.set_state(7, 0)
+    with compile_rng.step(4):
+        expected = [F.dropout(torch.ones(4, 4), 0.5), torch.rand(4, 3)]
+    assert state == compile_rng.get_state()
+    assert all(torch.equal(a, b) for a, b in zip(values, expected))

@@ -218,8 +218,9 @@ PYTHON_KERNEL_KEY = "TESTING_ONLY_GenericMode"
 
 def backend_key(keyset: Any) -> Any:
     """The backend key a kernel registered ``with_keyset`` was called for
-    (``DispatchKeySet.highestPriorityTypeId``; 2.11.0-2.15.0)."""
-    return keyset.highestPriorityTypeId()
+    (``DispatchKeySet.highestPriorityTypeId``; 2.11.0-2.15.0). ``PythonDispatcher`` is left
+    out: torch keeps it in every keyset below a key, for its Python dispatcher when on."""
+    return keyset.remove(torch._C.DispatchKey.PythonDispatcher).highestPriorityTypeId()
 
 
 def cxx11_abi() -> bool:

@@ -330,7 +330,9 @@ class RandomOpKernel final : public c10::OperatorKernel {
   // op (else torch's kernels run it, as with no stream): the backend of the tensors, or for
   // a factory (BackendSelect's turn) the one its arguments name, as BackendSelect reads it.
   bool served(const c10::OperatorHandle& op, c10::DispatchKeySet below, const torch::jit::Stack& stack) const {
-    c10::DispatchKey key = below.highestPriorityTypeId();
+    // PythonDispatcher: every keyset below a key keeps it (torch's Python dispatcher, when on,
+    // sees each redispatch); it names no backend
+    c10::DispatchKey key = below.remove(c10::DispatchKey::PythonDispatcher).highestPriorityTypeId();
     if (key == c10::DispatchKey::BackendSelect) {
       const size_t first = stack.size() - op.schema().arguments().size();
       const auto option = [&](int index) -> const c10::IValue* {
@@ -445,6 +447,9 @@ void serve(const std::vector<std::tuple<std::string, std::string, int64_t, std::
     served.push_back(c10::parseDispatchKey(backend));
   }
   const c10::DispatchKey python_kernel_key = c10::parseDispatchKey(stream_key);
+  if (std::any_of(ops.begin(), ops.end(), [](const auto& op) { return std::get<3>(op).empty(); })) {
+    fall_through_once();  // first: where another fallback holds the key, this raises before any registration
+  }
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__, __LINE__);
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
@@ -453,7 +458,6 @@ void serve(const std::vector<std::tuple<std::string, std::string, int64_t, std::
     const auto stream = op.getComputedKernelForDispatchKey(python_kernel_key);
     const std::string qualified = name.substr(name.find("::") + 2) + (overload.empty() ? "" : "." + overload);
     if (keys.empty()) {
-      fall_through_once();
       library->impl(qualified.c_str(), torch::dispatch(kLiveKey, torch::CppFunction::makeFromBoxedFunctor(
           std::make_unique<RandomOpKernel>(stream, lane_op, served, option_arguments(op)))));
     }
