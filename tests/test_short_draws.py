@@ -35,8 +35,14 @@ from compile_rng.stream import state
 
 
 def _fills(x: torch.Tensor) -> list[torch.Tensor]:
-    """The served calls, several arguments each, on a contiguous float32 tensor."""
+    """The served calls, several arguments each, on a contiguous float32 tensor, and the
+    integer draws of its shape: every integer width, a span of 2**32, ``randint``'s forms
+    (a float ``randint_like`` is drawn by the Python kernel, through torch's kernel)."""
+    ints = [torch.zeros(x.shape, dtype=dtype) for dtype in (torch.int64, torch.int16, torch.uint8, torch.int8)]
     return [
+        torch.randint(0, 9, x.shape), torch.randint(3, x.shape, dtype=torch.int32), torch.randint_like(x, 5),
+        torch.randint_like(x, -4, 4, dtype=torch.int64), ints[0].random_(-5, 2**32 - 5),
+        ints[1].random_(-100, 100), ints[2].random_(0, 256), ints[3].random_(-128, 128),
         x.clone().bernoulli_(0.0), x.clone().bernoulli_(0.1), x.clone().bernoulli_(), x.clone().bernoulli_(1.0),
         x.clone().bernoulli_(1), x.clone().uniform_(), x.clone().uniform_(-2, 2), x.clone().uniform_(3.0, 3.0),
         x.clone().uniform_(-2.0, 0.25), F.dropout(x, 0.3), F.dropout(x, 0.5),
@@ -110,6 +116,10 @@ def _not_served_layouts() -> list[torch.Tensor]:
                 torch.randn_like(torch.ones(4, 8).t()), torch.rand_like(torch.ones(4, 8).t()),
                 torch.ones(4, 8).t().normal_()]
         out += [torch.empty(torch.randn(8, 4, device="meta").shape)[:0]]
+        ints = torch.zeros(8, 4, dtype=torch.int64)
+        out += [ints.clone().random_(0, 2**32 + 1), ints.clone().random_(), ints.clone().random_(7),
+                torch.zeros(4, 8, dtype=torch.int32).t().random_(0, 5), torch.zeros(8, 4, dtype=torch.bool).random_(0, 2),
+                torch.zeros(8, 4).random_(0, 9), torch.randint(0, 9, (8, 4), dtype=torch.float64)]
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8, batch_dim=1):  # sequence-major: strided counters
         out += [torch.ones(5, 4, 3).bernoulli_(0.5)]
     with compile_rng.step(8, batch_dim=1):  # the whole batch too: a batch row's counters are consecutive
@@ -218,9 +228,9 @@ def _lane_and_general(scenario, monkeypatch, through_torch: list | None = None) 
     return lane, _run(scenario), len(served)
 
 
-# the scenarios whose draws include rand, randn and their *_like (the lane's factories):
-# 7 of them in each _fills call
-FACTORIES = {"whole step": 7, "rows 4-7 of 8": 7, "microbatches": 14, "replica stream": 7}
+# the scenarios whose draws include rand, randn, randint and their *_like (the lane's
+# factories): 11 of them in each _fills call
+FACTORIES = {"whole step": 11, "rows 4-7 of 8": 11, "microbatches": 22, "replica stream": 11}
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -234,6 +244,21 @@ def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
     assert served > 0, "the lane served nothing: the comparison says nothing"
     assert len(through) == FACTORIES.get(name, 0)  # each factory ran through torch's kernel
     _assert_same((*lane, []), (*general, []))
+
+
+def test_the_c_lane_serves_the_integer_draws(monkeypatch):
+    """Each integer draw of :func:`_fills` but the float ``randint_like`` takes the lane (the
+    comparisons above would pass vacuously were they all left to the Python kernel)."""
+    served, lane = [], short_draws.lane_counter
+
+    def counted(op, *call):
+        got = lane(op, *call)
+        served.extend([] if got is None else [short_draws.LANE_OPS[op]])
+        return got
+
+    monkeypatch.setattr(short_draws, "lane_counter", counted)
+    _whole_step()
+    assert served.count(getattr(torch.ops.aten.random_, "from")) == 7
 
 
 def _lane_declines() -> list[torch.Tensor]:
@@ -278,10 +303,13 @@ def test_generator_and_refused_arguments_take_the_general_path(monkeypatch):
             g = torch.Generator().manual_seed(7)
             drawn = [torch.ones(4, 4).bernoulli_(0.5, generator=g), torch.ones(4, 4).uniform_(generator=g)]
             drawn += [torch.randn(4, 4, generator=g), torch.rand(4, 4, generator=g)]
+            drawn += [torch.randint(0, 9, (4, 4), generator=g), torch.zeros(4, dtype=torch.int64).random_(0, 9, generator=g)]
             for bad in (lambda t: t.bernoulli_(1.5), lambda t: t.bernoulli_(float("nan")),
                         lambda t: t.uniform_(2.0, 1.0), lambda t: t.uniform_(-3e38, 3e38),
                         lambda t: t.normal_(0.0, -1.0), lambda t: t.normal_(0.0, float("nan")),
-                        lambda t: torch.rand(-1, 4)):
+                        lambda t: torch.rand(-1, 4), lambda t: torch.randint(5, 3, (4,)),
+                        lambda t: t.long().random_(3, 3), lambda t: t.to(torch.int8).random_(0, 300),
+                        lambda t: torch.randint(0, 9, (-1,))):
                 with pytest.raises(RuntimeError) as refused:
                     bad(torch.ones(4, 4))
                 drawn.append(torch.tensor([len(str(refused.value))]))  # the same message both ways
@@ -292,6 +320,10 @@ def test_generator_and_refused_arguments_take_the_general_path(monkeypatch):
     g = torch.Generator().manual_seed(7)
     assert torch.equal(short[0][0], torch.ones(4, 4).bernoulli_(0.5, generator=g))  # torch's values
     _assert_same(short, general)
+    monkeypatch.undo()
+    lane, general, served = _lane_and_general(scenario, monkeypatch)  # the C++ lane likewise
+    assert served == 0
+    _assert_same((*lane, []), (*general, []))
 
 
 def test_a_draw_under_a_users_dispatch_mode(monkeypatch):
@@ -323,8 +355,10 @@ SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
 
 
 def _draws(rows: int) -> list[torch.Tensor]:
-    """Dropout's bernoulli_, rand and randn on ``rows`` rows, each at its rows of the step's global batch."""
-    return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW)]
+    """Dropout's bernoulli_, rand, randn and randint on ``rows`` rows, each at its rows of the
+    step's global batch."""
+    return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW),
+            torch.randint(-3, 2**32 - 3, (rows, *ROW))]
 
 
 def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
@@ -336,12 +370,13 @@ def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
     keep = torch.tensor([float(ref.keep_bernoulli(SEED, n, 0.3)) for n in counters]).view(shape)
     uniform = torch.tensor([ref.uniform01(SEED, advance + n, "float32") for n in counters]).view(shape)
     normal = torch.tensor([ref.normal_std(SEED, 2 * advance + n) for n in counters], dtype=torch.float64).view(shape)
-    return [keep, uniform, normal]
+    integers = torch.tensor([ref.randint(SEED, 3 * advance + n, -3, 2**32 - 3) for n in counters]).view(shape)
+    return [keep, uniform, normal, integers]
 
 
 def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
-    keep, uniform, normal = _expected(first_row, drawn[0].shape[0])
-    assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform)
+    keep, uniform, normal, integers = _expected(first_row, drawn[0].shape[0])
+    assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform) and torch.equal(drawn[3], integers)
     # the float32 Box-Muller kernel against float64 math: its conformance bound, a few ulp
     assert torch.allclose(drawn[2].double(), normal, rtol=2e-6, atol=2e-6)
 
@@ -352,7 +387,7 @@ def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch)
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
-    assert len(served) == 3
+    assert len(served) == 4
     _assert_reference(drawn, first_row=4)
 
 
@@ -381,7 +416,7 @@ def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
     with compile_rng.step(GLOBAL):
         whole = _draws(GLOBAL)
     for rank, (drawn, served, position) in enumerate(gathered):
-        assert served == 3
+        assert served == 4
         assert position == compile_rng.get_state()
         _assert_reference(drawn, first_row=4 * rank)
         assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))

@@ -259,6 +259,9 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     drawn, drawn_kw = (func, kw) if form is None or form.op is func else (form.op, _sibling_arguments(form, kw))
     try:
         size, dtype = _out_shape_dtype(drawn, drawn_kw)
+        if any(n < 0 for n in size):  # torch refuses the shape before it draws: its error, not the rows'
+            with random_kernels.drawing(None):
+                stock(*args, **kwargs)
         if dtype.is_complex:
             result = _draw_complex(counters, drawn, drawn_kw, size, dtype)
         else:

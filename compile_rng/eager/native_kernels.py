@@ -16,10 +16,11 @@ torch build and source, and cached beside the C kernels (``$COMPILE_RNG_CACHE``,
 :func:`load` returns None after one warning, and Python kernels sit at the backend keys.
 
 Inside the eager stream the common fills - ``bernoulli_(p)``, ``uniform_``, ``normal_`` on a
-plain dense float32 CPU tensor - take a lane in C++ in front of the Python kernel: their
-counters from one Python call (:func:`compile_rng.eager.short_draws.lane_counter`, the short
-path's own), then compile_rng's CPU kernel into the tensor with the GIL released; ``rand``,
-``randn`` and their ``*_like`` run torch's kernel, whose fill takes the lane
+plain dense float32 CPU tensor, ``random_(low, high)`` on a dense integer one - take a lane
+in C++ in front of the Python kernel: their counters from one Python call
+(:func:`compile_rng.eager.short_draws.lane_counter`, the short path's own), then
+compile_rng's CPU kernel into the tensor with the GIL released; ``rand``, ``randn``,
+``randint`` and their ``*_like`` run torch's kernel, whose fill takes the lane
 (:data:`~compile_rng.eager.short_draws.LANE_FACTORIES`). What the lane does not serve takes
 the Python kernel, nothing reserved first. The installer hands the lane what it calls
 (``set_lane``).

@@ -13,7 +13,10 @@ The in-place fills reach here from C++ (``csrc/random_op_kernels.cpp``'s lane): 
 kernel checks the tensor and the stream there, calls :func:`lane_counter` for the
 arguments' check and the counters, and fills the tensor itself. ``rand``, ``randn`` and
 their ``*_like`` reach the lane through torch's kernels (:data:`LANE_FACTORIES`), which fill
-an empty tensor; :func:`short_draw` serves them where the lane is off.
+an empty tensor; :func:`short_draw` serves them where the lane is off. The lane also
+serves ``random_(low, high)`` on a dense integer tensor, and so ``randint`` and
+``randint_like`` (torch's kernels fill an empty tensor with it) where the range spans at
+most 2**32 (one word per value).
 
 Anything else is not served and takes the general path *before* a counter is reserved:
 another op, dtype, device or layout; a subclass (a Parameter, a fake or functional
@@ -36,9 +39,9 @@ from compile_rng._torch.core_internals import OpOverload, current_dispatch_mode
 from compile_rng.eager import draw_counters
 from compile_rng.semantics import local_values
 from compile_rng.semantics.named_draws import draw_position
-from compile_rng.semantics.random_ops import is_probability, normalized_arguments, uniform_fault
+from compile_rng.semantics.random_ops import integer_bounds, is_probability, normalized_arguments, uniform_fault
 from compile_rng.stream.cpu_kernel import (
-    FAST_BERNOULLI, FAST_UNIFORM, fast_f32, fast_uniform_ok, normal_f32, to_float32,
+    FAST_BERNOULLI, FAST_UNIFORM, INTEGERS_MAX_SPAN, fast_f32, fast_uniform_ok, normal_f32, to_float32,
 )
 
 aten = torch.ops.aten
@@ -46,13 +49,16 @@ aten = torch.ops.aten
 #: what :func:`short_draw` returns for a call it does not serve
 NOT_SERVED = object()
 
-#: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, threshold)``: ``FAST_UNIFORM``
+#: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, n)``: ``FAST_UNIFORM``
 #: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` ``(0, 1, 1, threshold)``,
-#: :data:`NORMAL` ``(mean, std, 0, 0)`` - plain numbers, which the C++ lane reads too
+#: :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
+#: 2**64)`` (a span of at most 2**32 is an exact float) - plain numbers, which the C++ lane
+#: reads too
 Fill = tuple[int, float, float, float, int]
 
-#: the float32 normal kernel's code in a :data:`Fill` (``FAST_*`` are ``fast_f32``'s)
-NORMAL = 3
+#: the codes of the float32 normal kernel and of the integers' in a :data:`Fill` (``FAST_*``
+#: are ``fast_f32``'s); the C++ lane's ``kNormal`` and ``kIntegers``
+NORMAL, INTEGERS = 3, 4
 
 _CPU = torch.device("cpu")
 
@@ -85,15 +91,19 @@ def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
 
 #: the ops the C++ lane serves (:mod:`compile_rng.eager.native_kernels`), by the index its
 #: kernels are given: the in-place fills of a dense float32 tensor (dropout's ``bernoulli_``;
-#: ``rand``, ``randn`` and their ``*_like`` fill ``uniform_``/``normal_``)
-LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default)
+#: ``rand``, ``randn`` and their ``*_like`` fill ``uniform_``/``normal_``), and ``random_``
+#: with bounds on a dense integer tensor (``randint``'s fill)
+LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, getattr(aten.random_, "from"))
 
 
 #: the factories whose torch kernel fills an empty tensor with a lane op (``uniform_``,
-#: ``normal_``): in the eager stream the C++ kernel runs torch's kernel where
-#: :func:`lane_through_torch` says so, and the fill takes the lane (or the Python kernel, for
-#: what the lane does not serve) - the values and counters a factory's own rule gives
-LANE_FACTORIES = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
+#: ``normal_``, ``random_(low, high)``): in the eager stream the C++ kernel runs torch's kernel
+#: where :func:`lane_through_torch` says so, and the fill takes the lane (or the Python kernel,
+#: for what the lane does not serve) - the values and counters a factory's own rule gives
+LANE_FACTORIES = (
+    aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
+    aten.randint.default, aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype,
+)
 
 #: the lane index a C++ kernel is given for a :data:`LANE_FACTORIES` op (the C++
 #: ``kThroughTorch``), and for an op with no lane (``LANE_OPS`` are indexed from 0)
@@ -107,15 +117,16 @@ def lane_through_torch() -> bool:
     return not local_values.any_recorded()
 
 
-def lane_counter(op: int, size: tuple[int, ...], *numbers: float) -> tuple | None:
+def lane_counter(op: int, size: tuple[int, ...], *numbers: Any) -> tuple | None:
     """The C++ lane's draw of ``LANE_OPS[op]`` with its number arguments ``numbers`` on a
-    tensor of ``size`` here: ``(kernel, seed, counter of element 0, x0, x1, x2, threshold)``
-    (a :data:`Fill`'s kernel and arguments), its counters reserved, or None (nothing
-    reserved: the call takes the Python kernel). The lane has checked what it can in C++ (a
-    dense float32 CPU tensor, no generator, no dispatch mode, this thread's eager stream)
-    and walked the stack (none of :func:`draw_counters.watched_codes` on it); here: the
-    arguments the short path serves, no tensor-parallel piece recorded, one contiguous run
-    of counters."""
+    tensor of ``size`` here (an integer tensor's dtype after its numbers): ``(kernel, seed,
+    counter of element 0, x0, x1, x2, n)`` (a :data:`Fill`'s kernel and arguments), its
+    counters reserved, or None (nothing reserved: the call takes the Python kernel). The
+    lane has checked what it can in C++ (a dense CPU tensor, float32 for float numbers and
+    an integer dtype for int ones, no generator, no dispatch mode, this thread's eager
+    stream) and walked the stack (none of :func:`draw_counters.watched_codes` on it); here:
+    the arguments the lane serves, no tensor-parallel piece recorded, one contiguous run of
+    counters."""
     func = LANE_OPS[op]
     fill = _LANE_FILLS[op](*numbers)
     if fill is None or local_values.any_recorded():
@@ -123,8 +134,8 @@ def lane_counter(op: int, size: tuple[int, ...], *numbers: float) -> tuple | Non
     reserved = _reserve(func, list(size), walked=True)
     if reserved is None:
         return None
-    kernel, x0, x1, x2, threshold = fill
-    return kernel, reserved[0], reserved[1] % 2**64, x0, x1, x2, threshold
+    kernel, x0, x1, x2, n = fill
+    return kernel, reserved[0], reserved[1] % 2**64, x0, x1, x2, n
 
 
 def _reserve(func: OpOverload, size: list[int], walked: bool = False) -> tuple[int, int, list[int]] | None:
@@ -191,6 +202,16 @@ def _bernoulli(p: Any) -> Fill | None:
     return FAST_BERNOULLI, 0.0, 1.0, 1.0, stream.threshold32(float(p))
 
 
+@functools.lru_cache(maxsize=256)
+def _integers(low: int, high: int, dtype: torch.dtype) -> Fill | None:
+    """``random_(low, high)`` on an integer tensor of ``dtype``: served where the range is
+    not empty, fits the dtype (else the general path raises torch's error) and spans one word."""
+    smallest, largest = integer_bounds(dtype)
+    if not (smallest <= low < high <= largest + 1 and high - low <= INTEGERS_MAX_SPAN):
+        return None
+    return INTEGERS, 0.0, float(high - low), 0.0, low % 2**64
+
+
 def _in_place(fill: Callable[[dict], Fill | None]) -> Callable[[dict], tuple | None]:
     def parse(kw: dict) -> tuple | None:
         target = kw["input"]
@@ -226,5 +247,6 @@ _CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
     aten.randn_like.default: _made(_normal_of, like=True),
 }
 
-#: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments (None: not served)
-_LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal)
+#: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments, and an integer tensor's dtype
+#: (None: not served)
+_LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal, _integers)

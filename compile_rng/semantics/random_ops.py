@@ -220,7 +220,7 @@ def _dropout(call: RandomCall) -> Any:
 def _randint(call: RandomCall, low: int, high: int) -> Any:
     if not low < high:
         call.fail(f"empty range [{low}, {high})", "pass low < high")
-    smallest, largest = _integer_bounds(call.dtype)
+    smallest, largest = integer_bounds(call.dtype)
     for name, bound in (("from", low), ("to - 1", high - 1)):
         if not smallest <= bound <= largest:  # ATen: every value the range holds fits the dtype
             call.fail(f"{name}={bound} is out of bounds for {call.dtype}", "pass a range the dtype holds")
@@ -231,7 +231,7 @@ def _randint_args(call: RandomCall) -> Any:
     return _randint(call, call.arg("low", 0), call.arg("high"))
 
 
-def _integer_bounds(dtype: torch.dtype) -> tuple[int, int]:
+def integer_bounds(dtype: torch.dtype) -> tuple[int, int]:
     """The integers ``dtype`` holds exactly, as ATen's ``random_`` bounds them."""
     if dtype == torch.bool:
         return 0, 1
@@ -246,7 +246,7 @@ def _random_default_high(dtype: torch.dtype) -> int:
     float dtype ``[0, 2**digits]``, ``digits`` its significand's bits (ATen's ``random_``)."""
     if dtype == torch.bool:
         return 2
-    return _integer_bounds(dtype)[1] + 1
+    return integer_bounds(dtype)[1] + 1
 
 
 def _random(call: RandomCall) -> Any:
@@ -261,7 +261,7 @@ def _randperm(call: RandomCall) -> Any:
     n = int(call.arg("n"))
     if n < 0:
         call.fail(f"n={n} is negative", "pass n >= 0")
-    if call.dtype != torch.int64 and n > _integer_bounds(call.dtype)[1] + 1:
+    if call.dtype != torch.int64 and n > integer_bounds(call.dtype)[1] + 1:
         call.fail(f"n={n} is too large for {call.dtype}", "pass a wider dtype")
     keys = call.emit(cr.random_bits.default, call.size(), call.strides())
     order = call.apply(aten.sort.stable, keys, stable=True)

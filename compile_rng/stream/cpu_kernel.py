@@ -183,6 +183,12 @@ def _load(name: str) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_float, ctypes.c_float, ctypes.c_int,
     ]
+    integers = lib.cr_integers
+    integers.restype = ctypes.c_int
+    integers.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+        ctypes.c_uint64, ctypes.c_int,
+    ]
     normal_at = lib.cr_normal_f32_at
     normal_at.restype = ctypes.c_int
     normal_at.argtypes = [
@@ -281,12 +287,30 @@ def fast_f32(
     return out, mask
 
 
-def kernel_addresses() -> tuple[int, int]:
-    """The addresses of :func:`fast_f32`'s and :func:`normal_f32`'s C functions
-    (``cr_fast_f32``, ``cr_normal_f32`` in ``csrc/philox.c``) in this process's build, for
-    C++ callers."""
+#: the widest range :func:`integers` draws (a larger one takes a second word per value)
+INTEGERS_MAX_SPAN = 2**32
+
+
+def integers(seed: int, base: int, low: int, high: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a contiguous integer CPU tensor whose dtype holds every value of ``[low,
+    high)``) filled with the contiguous stream's integers (counter ``base + i``): ``low + W
+    mod (high - low)``, ``0 < high - low <=`` :data:`INTEGERS_MAX_SPAN` (the contract's
+    one-word case)."""
+    if out.numel():
+        rc = _library().cr_integers(out.data_ptr(), out.element_size(), out.numel(), seed % 2**64, base % 2**64,
+                                    low % 2**64, high - low, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"compile_rng CPU kernel failed (code {rc}, span {high - low})")
+    return out
+
+
+def kernel_addresses() -> tuple[int, int, int]:
+    """The addresses of :func:`fast_f32`'s, :func:`normal_f32`'s and :func:`integers`' C
+    functions (``cr_fast_f32``, ``cr_normal_f32``, ``cr_integers`` in ``csrc/philox.c``) in
+    this process's build, for C++ callers."""
     lib = _library()
-    return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.cr_fast_f32, lib.cr_normal_f32))
+    return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.cr_fast_f32, lib.cr_normal_f32,
+                                                                   lib.cr_integers))
 
 
 def philox_words(

@@ -23,8 +23,8 @@
 // In a stream the kernel calls compile_rng's Python kernel for the op (registered at
 // kPythonKernelKey, which no dispatch reaches), which draws from the stream. The common
 // fills have a lane here too: bernoulli_(p) (dropout's), uniform_ and normal_ (rand's,
-// randn's) on a plain dense float32 CPU tensor in the eager stream take their counters from
-// one Python call (compile_rng.eager.short_draws.lane_counter, on the Python kernel's own
+// randn's) on a plain dense float32 CPU tensor, and random_(low, high) (randint's) on a
+// plain dense integer one, in the eager stream take their counters from one Python call (compile_rng.eager.short_draws.lane_counter, on the Python kernel's own
 // path) and are filled by compile_rng's CPU kernels with the GIL released, skipping the
 // Python kernel's layers (~13 us a call on a Xeon core). Anything the lane does not serve
 // takes the Python kernel as before.
@@ -35,7 +35,8 @@
 // c10::impl::TorchDispatchModeTLS::stack_len (torch.utils._python_dispatch's mode stack),
 // c10::impl::PyObjectSlot::load_pyobj (a tensor's Python object, if it has one), and the
 // `Fake` dispatch key (torch 2.11-2.15 register no kernel or fallback there; 2.13+ put it
-// below the Python key, 2.11 and 2.12 above it).
+// below the Python key, 2.11 and 2.12 above it). Semi-public: torch::getTHPDtype (a
+// ScalarType's torch.dtype, as torch's own bindings return it).
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalPythonObjects.h>
@@ -46,6 +47,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -92,11 +94,14 @@ PyObject* drawing_here() {
 }
 
 // compile_rng's CPU kernels (compile_rng/stream/csrc/philox.c): cr_fast_f32, float32
-// uniform (op 0) and bernoulli (op 1) of a contiguous stream, and cr_normal_f32
+// uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, and
+// cr_integers (low + word mod span, any integer width)
 using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, uint64_t, float, float, float,
                         uint64_t, float, int);
 using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
-constexpr int64_t kNormal = 3;  // short_draws.NORMAL: the kernel code of cr_normal_f32
+using Integers = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
+// short_draws.NORMAL and INTEGERS: the kernel codes of cr_normal_f32 and cr_integers
+constexpr int64_t kNormal = 3, kIntegers = 4;
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
@@ -108,6 +113,7 @@ struct Lane {
   PyObject* tensor_type = nullptr;  // torch.Tensor: a subclass's tensor (a Parameter) is not served
   FastF32 fast = nullptr;
   NormalF32 normal = nullptr;
+  Integers integers = nullptr;
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
   std::unordered_set<uintptr_t> watched;
@@ -115,15 +121,16 @@ struct Lane {
 Lane lane;
 
 // A draw the lane serves: short_draws.lane_counter's (kernel, seed, first counter, x0, x1, x2,
-// threshold), its counters reserved, and the C functions as they were then (read with the
-// GIL held: clear() may empty the lane while the fill runs without it).
+// n), its counters reserved, and the C functions as they were then (read with the GIL
+// held: clear() may empty the lane while the fill runs without it).
 struct Fill {
   int64_t kernel;
   uint64_t seed, first;
   double x0, x1, x2;
-  uint64_t threshold;
+  uint64_t n;  // bernoulli's threshold, or the integers' low (two's complement)
   FastF32 fast;
   NormalF32 normal;
+  Integers integers;
 };
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
@@ -209,12 +216,17 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   static PyObject* const lane_counter = name("lane_counter");
   const size_t first_argument = stack.size() - arity;
   const at::Tensor& self = stack[first_argument].toTensor();
-  if (!stack.back().isNone() || self.device().type() != c10::kCPU || self.scalar_type() != at::kFloat ||
+  // a lane op's numbers are floats (a float32 tensor's fill) or ints (random_'s bounds, on
+  // an integer tensor; its `to` may be None)
+  const bool integers = stack[first_argument + 1].isInt();
+  const at::ScalarType dtype = self.scalar_type();
+  if (!stack.back().isNone() || self.device().type() != c10::kCPU ||
+      !(integers ? at::isIntegralType(dtype, /*includeBool=*/false) : dtype == at::kFloat) ||
       self.layout() != c10::kStrided || !self.is_contiguous() || self.key_set().has(c10::DispatchKey::Python)) {
     return false;
   }
   for (size_t i = first_argument + 1; i + 1 < stack.size(); ++i) {
-    if (!stack[i].isDouble()) {
+    if (integers ? !stack[i].isInt() : !stack[i].isDouble()) {
       return false;
     }
   }
@@ -225,9 +237,9 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
       !lane_open(drawing) || watched_frame_on_stack()) {
     return false;
   }
-  // lane_counter(op, size, numbers...)
+  // lane_counter(op, size, numbers...), and the dtype after an integer tensor's numbers
   const auto sizes = self.sizes();
-  PyObject* arguments = PyTuple_New(static_cast<Py_ssize_t>(arity));  // op, size, the numbers
+  PyObject* arguments = PyTuple_New(static_cast<Py_ssize_t>(integers ? arity + 1 : arity));
   PyObject* size = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyTuple_SET_ITEM(size, i, PyLong_FromLongLong(sizes[i]));
@@ -235,7 +247,13 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   PyTuple_SET_ITEM(arguments, 0, PyLong_FromLongLong(op));
   PyTuple_SET_ITEM(arguments, 1, size);
   for (size_t i = 2; i < arity; ++i) {
-    PyTuple_SET_ITEM(arguments, i, PyFloat_FromDouble(stack[first_argument + i - 1].toDouble()));
+    const c10::IValue& number = stack[first_argument + i - 1];
+    PyTuple_SET_ITEM(arguments, i, integers ? PyLong_FromLongLong(number.toInt()) : PyFloat_FromDouble(number.toDouble()));
+  }
+  if (integers) {
+    PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype));
+    Py_INCREF(dtype_object);
+    PyTuple_SET_ITEM(arguments, arity, dtype_object);
   }
   PyObject* counter = PyObject_GetAttr(lane.counters, lane_counter);
   PyObject* got = counter != nullptr ? PyObject_Call(counter, arguments, nullptr) : nullptr;
@@ -249,7 +267,7 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
     fill = Fill{PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0)), PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
-                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), lane.fast, lane.normal};
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), lane.fast, lane.normal, lane.integers};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -376,13 +394,19 @@ class RandomOpKernel final : public c10::OperatorKernel {
     at::Tensor self = (*stack)[stack->size() - arity].toTensor();
     const int64_t numel = self.numel(), one = 1;
     if (numel != 0) {
-      const int failed =
-          fill.kernel == kNormal
-              ? fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
-                            static_cast<float>(fill.x0), static_cast<float>(fill.x1), at::get_num_threads())
-              : fill.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
-                          fill.first, static_cast<float>(fill.x0), static_cast<float>(fill.x1),
-                          static_cast<float>(fill.x2), fill.threshold, 0.0f, at::get_num_threads());
+      const int threads = at::get_num_threads();
+      int failed = 0;
+      if (fill.kernel == kIntegers) {
+        failed = fill.integers(self.data_ptr(), static_cast<int>(self.element_size()), numel, fill.seed, fill.first,
+                               fill.n, static_cast<uint64_t>(fill.x1), threads);
+      } else if (fill.kernel == kNormal) {
+        failed = fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
+                             static_cast<float>(fill.x0), static_cast<float>(fill.x1), threads);
+      } else {
+        failed = fill.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
+                           fill.first, static_cast<float>(fill.x0), static_cast<float>(fill.x1),
+                           static_cast<float>(fill.x2), fill.n, 0.0f, threads);
+      }
       if (failed != 0) {
         throw std::runtime_error("compile_rng CPU kernel failed");
       }
@@ -480,10 +504,11 @@ bool include(bool on) {
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module, the
-// function returning Dynamo's frame hook, torch.Tensor, the addresses of cr_fast_f32 and
-// cr_normal_f32, and the watched codes.
+// function returning Dynamo's frame hook, torch.Tensor, the addresses of cr_fast_f32,
+// cr_normal_f32 and cr_integers, and the watched codes.
 void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
-              pybind11::object tensor_type, uintptr_t fast, uintptr_t normal, const std::vector<uintptr_t>& watched) {
+              pybind11::object tensor_type, uintptr_t fast, uintptr_t normal, uintptr_t integers,
+              const std::vector<uintptr_t>& watched) {
   lane.watched = std::unordered_set<uintptr_t>(watched.begin(), watched.end());
   Py_XDECREF(lane.handler);
   Py_XDECREF(lane.counters);
@@ -495,6 +520,7 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.tensor_type = tensor_type.release().ptr();
   lane.fast = reinterpret_cast<FastF32>(fast);
   lane.normal = reinterpret_cast<NormalF32>(normal);
+  lane.integers = reinterpret_cast<Integers>(integers);
 }
 
 // Remove every kernel serve() registered, and the lane's references.
@@ -506,6 +532,7 @@ void clear() {
   Py_CLEAR(lane.tensor_type);
   lane.fast = nullptr;
   lane.normal = nullptr;
+  lane.integers = nullptr;
   lane.watched.clear();
 }
 

@@ -167,6 +167,46 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
     return parallel_for(numel, nthreads, 1 << 16, words_range, &ctx);
 }
 
+/* Integers in [low, low + span) of a contiguous stream (counter = base + i), span <= 2**32:
+ * low + W mod span (canonical stream v1, section 5), stored as elem_bytes-wide two's
+ * complement (the caller checked that every value of the range fits the dtype). */
+typedef struct {
+    void *out;
+    int elem_bytes;
+    uint64_t seed, base, low, span;
+} integers_t;
+
+static void integers_range(const void *ctx, int64_t begin, int64_t end) {
+    const integers_t *j = (const integers_t *)ctx;
+    uint64_t cached = ~(uint64_t)0;
+    uint32_t w[4];
+    for (int64_t i = begin; i < end; i++) {
+        uint64_t n = j->base + (uint64_t)i, block = n >> 2;  /* < 2**62: never the ~0 sentinel */
+        if (block != cached) {
+            w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
+            philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
+            cached = block;
+        }
+        uint64_t v = j->low + (uint64_t)w[n & 3] % j->span;  /* mod 2**64: two's complement */
+        switch (j->elem_bytes) {
+            case 8: ((uint64_t *)j->out)[i] = v; break;
+            case 4: ((uint32_t *)j->out)[i] = (uint32_t)v; break;
+            case 2: ((uint16_t *)j->out)[i] = (uint16_t)v; break;
+            default: ((uint8_t *)j->out)[i] = (uint8_t)v; break;
+        }
+    }
+}
+
+/* Returns 0 on success, -1 for a span or element width it does not take, -2 if a thread
+ * could not start. */
+int cr_integers(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t low,
+                uint64_t span, int nthreads) {
+    if (span == 0 || span > (1ULL << 32) ||
+        (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8)) return -1;
+    integers_t ctx = {out, elem_bytes, seed, base, low, span};
+    return parallel_for(numel, nthreads, 1 << 16, integers_range, &ctx);
+}
+
 /* ---- Fast paths: contiguous streams (counter = base + i), final float32 values ---------
  *
  * Philox runs on blocks in structure-of-arrays form, LANES blocks per vector, NV
