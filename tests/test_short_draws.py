@@ -119,7 +119,8 @@ def _not_served_layouts() -> list[torch.Tensor]:
         ints = torch.zeros(8, 4, dtype=torch.int64)
         out += [ints.clone().random_(0, 2**32 + 1), ints.clone().random_(), ints.clone().random_(7),
                 torch.zeros(4, 8, dtype=torch.int32).t().random_(0, 5), torch.zeros(8, 4, dtype=torch.bool).random_(0, 2),
-                torch.zeros(8, 4).random_(0, 9), torch.randint(0, 9, (8, 4), dtype=torch.float64)]
+                torch.zeros(8, 4).random_(0, 9), torch.randint(0, 9, (8, 4), dtype=torch.float64),
+                torch.randint_like(torch.ones(4, 8, dtype=torch.int64).t(), 5)]
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8, batch_dim=1):  # sequence-major: strided counters
         out += [torch.ones(5, 4, 3).bernoulli_(0.5)]
     with compile_rng.step(8, batch_dim=1):  # the whole batch too: a batch row's counters are consecutive
