@@ -124,10 +124,22 @@ def executed_per_thread(sass: list[tuple[int, str]]) -> list[str]:
     unless the fall-through region holds a rare path, which is then skipped: a subroutine
     call (ptxas's 64-bit division, called only when an operand needs more than 32 bits)
     or table loads (``LDG.E.CONSTANT``: libdevice's Payne-Hanek reduction for sin/cos,
-    taken only for |x| > 105615, and the angles here are below 2 pi). A subroutine still
-    called counts its body once per call. Counting the whole body instead (both sides of
-    every ``if``) overstated uniform by a third."""
+    taken only for |x| > 105615, and the angles here are below 2 pi), or four times the
+    Philox multiplies of the other side (``IMAD.HI``, ``IMAD.WIDE``: a fused draw's per-lane words, taken
+    only where a program's first counter is not a multiple of four; ptxas may lay out
+    either side first). A subroutine still called counts its body once per call. Counting
+    the whole body instead (both sides of every ``if``) overstated uniform by a third."""
     by_addr = {a: i for i, (a, _) in enumerate(sass)}
+
+    def multiplies(part: list[tuple[int, str]]) -> int:
+        return sum("IMAD.HI" in s or "IMAD.WIDE" in s for _, s in part)
+
+    def other_side(start: int, skipped: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        # the branch target's side of an if-else: up to where the skipped side jumps to
+        last = _BRANCH.match(skipped[-1][1]) if skipped else None
+        end = by_addr.get(int(last.group(2), 16), start) if last and last.group(2) and not last.group(1) else start
+        return sass[start:end]
+
     executed, i, seen = [], 0, set()
     while not sass[i][1].startswith("EXIT"):
         if i in seen:  # an unconditional loop on the path: no common path to count
@@ -139,6 +151,7 @@ def executed_per_thread(sass: list[tuple[int, str]]) -> list[str]:
             target = by_addr[int(m.group(2), 16)]
             skipped = sass[i + 1:target] if target > i else []
             rare = any("LDG.E.CONSTANT" in s or "CALL" in s for _, s in skipped)
+            rare = rare or multiplies(skipped) >= 4 * max(1, multiplies(other_side(target, skipped)))
             executed.append(ins)
             i = target if not m.group(1) or rare else i + 1
             continue

@@ -121,6 +121,8 @@ FUSED_GRAPHS = {
     # Inductor computes a bf16 chain in fp32 and rounds once: the op's own outputs here
     "dropout, bf16": (lambda key, x: _OPS.dropout(key, 3, x, [1], 0.1), [((999,), torch.bfloat16, -3, 3)]),
     "uniform, transposed counters": (lambda key: (_OPS.uniform(key, 3, [10, 100], [1, 10], -2.0, 2.0, _F32),), []),
+    # every lane's counter a multiple of four: whole blocks only were the lanes consecutive
+    "uniform, every fourth counter": (lambda key: (_OPS.uniform(key, 3, [256], [4], 0.0, 1.0, _F32),), []),
     "uniform, fp16": (lambda key: (_OPS.uniform(key, 1, [1001], [1], 0.0, 1.0, torch.float16),), []),
     "uniform, fp64": (lambda key: (_OPS.uniform(key, 2, [333], [1], -1.0, 1.0, torch.float64),), []),
     "bernoulli": (lambda key: (_OPS.bernoulli(key, 7, [999], [1], 0.25, _F32),), []),
@@ -232,7 +234,8 @@ def test_the_generated_cuda_kernels_give_the_eager_ops_bits(name, tmp_path):
 
 #: Graphs whose counters start a Philox block (base + offset = 0 mod 2**64 or 2**64 - 4: the
 #: key of the test above, wrapping past 2**64) and run on in order, and graphs whose do not.
-ALIGNED, NOT_ALIGNED = ("dropout + residual", "bernoulli"), ("dropout, then pointwise", "uniform, transposed counters")
+ALIGNED = ("dropout + residual", "bernoulli")
+NOT_ALIGNED = ("dropout, then pointwise", "uniform, transposed counters", "uniform, every fourth counter")
 
 
 @pytest.mark.parametrize("xblock", [1024, 16, 4, 2])
@@ -259,6 +262,28 @@ def test_four_lanes_share_a_philox_block_where_their_counters_are_one(xblock, tm
         got = fake_cuda_inductor.interpret(code, [key, *args], str(tmp_path), xblock=xblock)
         shared = name in ALIGNED and xblock >= 4
         assert all(torch.equal(g, w) for g, w in zip(got, fn(key, *args))) == shared, name
+
+
+def test_the_kernel_says_where_its_lanes_hold_consecutive_counters():
+    """The kernel draws from the program's first counter, with no lane checked, exactly where
+    it computed the counters as a number plus its block's index: a stream, whatever its
+    offset; not a transposed or strided window, whose check of every lane the values above
+    depend on."""
+    pytest.importorskip("triton")
+    import re
+
+    import fake_cuda_inductor
+
+    from compile_rng.ops import lowering  # noqa: F401 - registers the lowerings
+
+    consecutive = {"dropout, then pointwise", "dropout + residual", "dropout, bf16", "uniform, fp16",
+                   "uniform, fp64", "bernoulli", "bernoulli, tensor p"}
+    for name in consecutive | {"uniform, transposed counters", "uniform, every fourth counter"}:
+        fn, specs = FUSED_GRAPHS[name]
+        code = fake_cuda_inductor.generated_code(fn, [((2,), _I64)] + [(s, d) for s, d, *_ in specs])
+        from_first = re.findall(r"= compile_rng_words_from\d+\(\w+, \(\w+ \+ \(\d+ \+ xoffset\)\), XBLOCK\)", code)
+        checked = re.findall(r"= compile_rng_word\d+\(\w+, \(\w+ \+ \w+\), XBLOCK\)", code)
+        assert (len(from_first), len(checked)) == ((1, 0) if name in consecutive else (0, 1)), (name, code)
 
 
 def test_a_kernel_without_helpers_draws_the_eager_bits_inline(tmp_path, monkeypatch):
@@ -323,8 +348,10 @@ def test_the_generated_dropout_kernel_compiles_for_sm90_without_spills(graph, tm
     ((name, source),) = fake_cuda_inductor.triton_kernels(code).items()
     import re
 
-    (block,) = set(re.findall(r"= compile_rng_word\d+\(\w+, \w+, (\w+)\)", source))
-    assert block == ("XBLOCK" if graph == "1-D dropout" else "1"), source  # the 2-D tile: a block per lane
+    if graph == "1-D dropout":  # consecutive counters: no lane checked
+        assert re.search(r"= compile_rng_words_from\d+\(\w+, \(\w+ \+ \(\d+ \+ xoffset\)\), XBLOCK\)", source), source
+    else:  # the 2-D tile: a block per lane
+        assert re.search(r"= compile_rng_word\d+\(\w+, \(\w+ \+ \w+\), 1\)", source), source
     path = tmp_path / "generated_kernel.py"
     path.write_text(fake_cuda_inductor.jit_source(source))
     inputs = fake_cuda_inductor.compile_inputs(source, fake_cuda_inductor.launch_configs(source)[0])

@@ -5,7 +5,8 @@ imports Inductor then).
 
 One temporary patch lives here, beside what it patches, lasting only for the backend's
 own compile: :func:`rank_free_mesh_cache_keys`; and :func:`triton_helper` adds a helper
-function to the source of the one Triton kernel being generated. The installer alone
+function to the source of the one Triton kernel being generated, whose expressions
+:func:`triton_consecutive_counters` reads back. The installer alone
 adds an op to Inductor's op handlers and removes it (:func:`add_triton_op`,
 :func:`remove_triton_op`).
 """
@@ -13,6 +14,7 @@ adds an op to Inductor's op handlers and removes it (:func:`add_triton_op`,
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +36,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "rank_free_mesh_cache_keys",
     "triton_block",
     "triton_compute_lines",
+    "triton_consecutive_counters",
     "triton_helper",
     "triton_kernel_holds_helpers",
     "triton_new_name",
@@ -217,6 +220,48 @@ def triton_block() -> str | None:
     if not isinstance(kernel, TritonKernel) or kernel.triton_tensor_ndim() != 1:
         return None
     return kernel.dense_size_list()[0]
+
+
+#: ``(X).to(tl.int64)``: a cast Triton kernels wrap index expressions in (2.13-2.15)
+_INT64_CAST = re.compile(r"\((.*)\)\.to\(tl\.int64\)")
+#: an index name plus a number, as Inductor prints ``c + x0`` (2.11-2.15)
+_NAME_PLUS_NUMBER = re.compile(r"(?:(\d+) \+ )?([a-z]\d+)(?: \+ (\d+))?")
+#: a scalar broadcast to the 1-D block (2.11-2.15)
+_BROADCAST = re.compile(r"tl\.broadcast_to\((\w+), \[XBLOCK\]\)")
+
+
+def triton_consecutive_counters(seed: Any, base: Any, rel: Any) -> tuple[str, str, str] | None:
+    """Where the 1-D Triton kernel being generated computed ``base + rel`` (its variables)
+    as consecutive counters - ``seed`` and ``base`` scalars it broadcast, ``rel`` a number
+    plus its block's own index (``xindex``, under a name such as ``x0``, through casts to
+    int64) - ``(seed's scalar, the program's first counter, the block size)`` as Triton
+    expressions: lane ``i``'s counter is the first plus ``i`` (``xindex = xoffset +
+    arange(XBLOCK)``). None wherever it cannot tell. Read back from the expressions the
+    kernel's common-subexpression table generated its variables from, and its range trees
+    (``TritonKernel.cse._cache``, ``range_trees``; the same forms in 2.11-2.15)."""
+    from torch._inductor.virtualized import V
+
+    kernel = V.kernel
+    cache = getattr(getattr(kernel, "cse", None), "_cache", None)
+    if triton_block() is None or not isinstance(cache, dict):
+        return None
+    made_from = {str(var): text for text, var in cache.items() if isinstance(text, str)}
+    scalars = [_BROADCAST.fullmatch(made_from.get(str(v), "")) for v in (seed, base)]
+    text = made_from.get(str(rel))
+    while text is not None and (cast := _INT64_CAST.fullmatch(text)) is not None:
+        text = made_from.get(cast.group(1), cast.group(1))  # a variable's own text, or the index itself
+    plus = _NAME_PLUS_NUMBER.fullmatch(text or "")
+    if None in scalars or plus is None or (plus.group(1) is not None and plus.group(3) is not None):
+        return None
+    for tree in getattr(kernel, "range_trees", ()):
+        for entry in getattr(tree, "nodes", {}).values():
+            if entry.name == plus.group(2):  # the block's own index: xindex itself, whole
+                if (tree.prefix != "x" or str(entry.expr) != "xindex" or entry.divisor != 1
+                        or entry.length != tree.numel):
+                    return None
+                number = plus.group(1) or plus.group(3) or "0"
+                return scalars[0].group(1), f"({scalars[1].group(1)} + ({number} + xoffset))", "XBLOCK"
+    return None
 
 
 # --- names imported on first use ---------------------------------------------------------

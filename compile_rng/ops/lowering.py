@@ -32,8 +32,9 @@ stock Inductor), where a call of the eager Triton kernel
 kernel to read back (2.2-2.8x stock Inductor's ``dropout(x) + residual`` on an H200).
 An Inductor pointwise body sees one element, so the word of a counter is one op of its
 own there (:mod:`compile_rng.ops.triton_words`): a Triton helper that computes one Philox
-block per four lanes where a program's lanes hold whole blocks in order (checked on the
-counters at run time), else a block per lane: sm_90 counts of 35-52 instructions per
+block per four lanes where a program's lanes hold whole blocks in order (from the
+program's first counter where the kernel computed them consecutive, else checked on every
+lane at run time), else a block per lane: sm_90 counts of 24.6-32.8 instructions per
 element (63-73 with a block per element) against the eager kernel's 28-33 and stock
 Inductor's 28-37 (``benchmarks/aot_gpu.py --per-element``). ``normal`` and ``exponential``
 (their transcendental functions) and a ``uniform`` whose scaling an FMA would round
@@ -121,7 +122,7 @@ class _Counter:
         rel = self.offset + sum((i * s for i, s in zip(index, self.strides)), sympy.Integer(0))
         base = self.key_loader([sympy.Integer(1)])
         if m.wraps and c2 == 0:  # a Triton kernel: four lanes share a block where they can
-            return triton_words.word(self.key_loader([sympy.Integer(0)]), ops.add(base, ops.index_expr(rel, _I64)))
+            return triton_words.word(self.key_loader([sympy.Integer(0)]), base, ops.index_expr(rel, _I64))
         key = stream.key_words(m, self.key_loader([sympy.Integer(0)]))
         block_lo, block_hi, lane = stream.block_and_lane(m, base, ops.index_expr(rel, _I64))
         ctr = [block_lo, block_hi, m.const(c2, _I64), m.const(0, _I64)]

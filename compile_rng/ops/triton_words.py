@@ -2,15 +2,17 @@
 
 An Inductor pointwise body sees one element, so a lowering made of ``ops.*`` computes a
 whole Philox4x32-10 block for every element and keeps one of its four words. Here the
-word of counter ``n`` is one op, ``ops.compile_rng_word(seed, n)``, which a Triton kernel
-emits as a call of the helper below (added to the kernel's source, so Inductor's caches
+word of counter ``base + rel`` is one op, ``ops.compile_rng_word(seed, base, rel)``, which a
+Triton kernel emits as a call of a helper below (added to the kernel's source, so Inductor's caches
 and compile workers see it): where every group of four lanes of the kernel's 1-D block
 holds the counters of one aligned Philox block (``4k .. 4k+3``, in order - a stream, a
 row-major window, the batch rows of a step), the program computes one block per group and
 hands out its four words; otherwise (a transposed or strided layout, an offset that is not
 a multiple of four, a 2-D tile) each element computes its own block and takes its lane,
-as before. The check is made per program at run time on the counters themselves, never
-assumed from the index, so the values are the contract's either way (tested bitwise in
+as before. The check is made per program at run time on the counters themselves, so the
+values are the contract's either way; where the kernel computed the counters as a number
+plus its block's index (read back from its source: consecutive lanes by construction),
+only the program's first counter is checked, a scalar (tested bitwise in
 Triton's interpreter against the eager kernels, and compiled for sm_90 offline).
 """
 
@@ -111,15 +113,48 @@ _WORD = (
 )
 
 
-def codegen(seed: Any, n: Any) -> str:
-    """The Triton expression of ``ops.compile_rng_word(seed, n)`` in the kernel being
-    generated: a call of the helpers where the kernel's source holds them, else (a
+#: The words of a program whose lanes' counters are consecutive: ``first + i`` for lane
+#: ``i`` (the kernel computed them as a number plus its block's index), seed and first
+#: scalars. No lane is checked: one branch on ``first``, and both sides give their four words
+#: per group of four lanes in the same layout, joined once (a branch merging the joined
+#: words with a block per lane moved them through shared memory: 13 barriers in a dropout).
+_FROM_FIRST = (
+    "\n@triton.jit\ndef {name}(seed, first, BLOCK: tl.constexpr):\n"
+    + "\n".join(f"    {line}" for line in [
+        '"""compile_rng: the words of counters first + i, i in [0, BLOCK) (seed and first: scalar',
+        "int64s holding uint64s), int64s in [0, 2**32): one Philox block per four lanes where first",
+        'is a multiple of four, else a block per lane."""',
+        "if BLOCK >= 4 and BLOCK % 4 == 0:",
+        "    g = first.to(tl.uint64, bitcast=True) + 4 * tl.arange(0, BLOCK // 4).to(tl.uint64)",
+        "    if (first & 3) == 0:",
+        "        s = seed.to(tl.uint64, bitcast=True)",
+        *(f"        {line}" for line in _block_lines(["w0", "w1", "w2", "w3"], ["k0", "k1"], "(g >> 2)", "s")),
+        "    else:",
+        *(f"        w{j} = LANES(seed, (g + {j}).to(tl.int64, bitcast=True)).to(tl.uint32)" for j in range(4)),
+        "    word = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK]).to(tl.int64)",
+        "else:",
+        "    word = LANES(seed, first + tl.arange(0, BLOCK))",
+        "return word",
+    ]) + "\n"
+)
+
+
+def codegen(seed: Any, base: Any, rel: Any) -> str:
+    """The Triton expression of ``ops.compile_rng_word(seed, base, rel)`` in the kernel being
+    generated: a call of the helpers where the kernel's source holds them - with no check
+    of the lanes where the kernel computed them consecutive
+    (:func:`~compile_rng._torch.inductor_internals.triton_consecutive_counters`) - else (a
     template's epilogue, rendered from its template) the per-lane lines in its body."""
+    n = f"({base} + {rel})"
     if not inductor_internals.triton_kernel_holds_helpers():
         prefix = inductor_internals.triton_new_name("compile_rng_")
-        inductor_internals.triton_compute_lines(_lane_lines(lambda local: f"{prefix}_{local}", str(seed), str(n)))
+        inductor_internals.triton_compute_lines(_lane_lines(lambda local: f"{prefix}_{local}", str(seed), n))
         return f"{prefix}_word"
     lanes = inductor_internals.triton_helper(_LANES, "compile_rng_lanes")
+    run = inductor_internals.triton_consecutive_counters(seed, base, rel)
+    if run is not None:
+        name = inductor_internals.triton_helper(_FROM_FIRST.replace("LANES", lanes), "compile_rng_words_from")
+        return f"{name}({run[0]}, {run[1]}, {run[2]})"
     name = inductor_internals.triton_helper(_WORD.replace("LANES", lanes), "compile_rng_word")
     return f"{name}({seed}, {n}, {inductor_internals.triton_block() or 1})"
 
@@ -135,10 +170,11 @@ def set_installer(installer: Callable[[], None]) -> None:
     _installer = installer
 
 
-def word(seed: Any, n: Any) -> Any:
-    """``ops.compile_rng_word``: the stream's word of counter ``n`` (an int64 holding a
-    uint64, ``base + rel`` wrapping) under ``seed``, an int64 in ``[0, 2**32)``."""
+def word(seed: Any, base: Any, rel: Any) -> Any:
+    """``ops.compile_rng_word``: the stream's word of counter ``base + rel`` (int64s holding
+    uint64s, the sum wrapping; ``rel`` an index expression of the kernel's) under ``seed``,
+    an int64 in ``[0, 2**32)``."""
     if _installer is None:
         raise RuntimeError("compile_rng internal error: Inductor's compile_rng_word op was never offered")
     _installer()
-    return getattr(inductor_internals.inductor_ops, OP)(seed, n)
+    return getattr(inductor_internals.inductor_ops, OP)(seed, base, rel)
