@@ -444,7 +444,7 @@ def _native_entries(ops: list[tuple[Any, list[str]]]) -> list[tuple[str, str, in
 def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
     # the C++ kernels and their lane, all or nothing: recorded as registered only once served
     native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
-                    *cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
+                    cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
     try:
         native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
     except BaseException:

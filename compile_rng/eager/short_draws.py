@@ -57,7 +57,7 @@ NOT_SERVED = object()
 Fill = tuple[int, float, float, float, int]
 
 #: the codes of the float32 normal kernel and of the integers' in a :data:`Fill` (``FAST_*``
-#: are ``fast_f32``'s); the C++ lane's ``kNormal`` and ``kIntegers``
+#: are ``fast_f32``'s); the C++ lane reads them from this module
 NORMAL, INTEGERS = 3, 4
 
 _CPU = torch.device("cpu")

@@ -304,13 +304,12 @@ def integers(seed: int, base: int, low: int, high: int, out: torch.Tensor) -> to
     return out
 
 
-def kernel_addresses() -> tuple[int, int, int]:
+def kernel_addresses() -> dict[str, int]:
     """The addresses of :func:`fast_f32`'s, :func:`normal_f32`'s and :func:`integers`' C
-    functions (``cr_fast_f32``, ``cr_normal_f32``, ``cr_integers`` in ``csrc/philox.c``) in
-    this process's build, for C++ callers."""
+    functions in this process's build, by their names in ``csrc/philox.c``, for C++ callers."""
     lib = _library()
-    return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.cr_fast_f32, lib.cr_normal_f32,
-                                                                   lib.cr_integers))
+    return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+            for name in ("cr_fast_f32", "cr_normal_f32", "cr_integers")}
 
 
 def philox_words(

@@ -60,6 +60,7 @@
 #include <unordered_set>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -100,8 +101,9 @@ using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, 
                         uint64_t, float, int);
 using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
 using Integers = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
-// short_draws.NORMAL and INTEGERS: the kernel codes of cr_normal_f32 and cr_integers
-constexpr int64_t kNormal = 3, kIntegers = 4;
+// Which C function a fill calls; the lane maps short_draws' codes onto it (set_lane reads
+// them from the module), so no number is shared by hand.
+enum class Kernel { kFast, kNormal, kIntegers };
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
@@ -114,6 +116,7 @@ struct Lane {
   FastF32 fast = nullptr;
   NormalF32 normal = nullptr;
   Integers integers = nullptr;
+  int64_t normal_code = -1, integers_code = -1;  // short_draws.NORMAL and INTEGERS
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
   std::unordered_set<uintptr_t> watched;
@@ -124,10 +127,11 @@ Lane lane;
 // n), its counters reserved, and the C functions as they were then (read with the GIL
 // held: clear() may empty the lane while the fill runs without it).
 struct Fill {
-  int64_t kernel;
+  int64_t kernel;  // short_draws' code: cr_fast_f32's op where `kind` is kFast
   uint64_t seed, first;
   double x0, x1, x2;
   uint64_t n;  // bernoulli's threshold, or the integers' low (two's complement)
+  Kernel kind;
   FastF32 fast;
   NormalF32 normal;
   Integers integers;
@@ -264,10 +268,14 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   }
   const bool served = got != Py_None;
   if (served) {
-    fill = Fill{PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0)), PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
+    const int64_t code = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0));
+    const Kernel kind = code == lane.normal_code     ? Kernel::kNormal
+                        : code == lane.integers_code ? Kernel::kIntegers
+                                                     : Kernel::kFast;
+    fill = Fill{code, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
-                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), lane.fast, lane.normal, lane.integers};
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal, lane.integers};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -396,10 +404,10 @@ class RandomOpKernel final : public c10::OperatorKernel {
     if (numel != 0) {
       const int threads = at::get_num_threads();
       int failed = 0;
-      if (fill.kernel == kIntegers) {
+      if (fill.kind == Kernel::kIntegers) {
         failed = fill.integers(self.data_ptr(), static_cast<int>(self.element_size()), numel, fill.seed, fill.first,
                                fill.n, static_cast<uint64_t>(fill.x1), threads);
-      } else if (fill.kernel == kNormal) {
+      } else if (fill.kind == Kernel::kNormal) {
         failed = fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
                              static_cast<float>(fill.x0), static_cast<float>(fill.x1), threads);
       } else {
@@ -503,12 +511,19 @@ bool include(bool on) {
   return was;
 }
 
-// Give the lane what it calls: the eager stream's handler, the counters' module, the
-// function returning Dynamo's frame hook, torch.Tensor, the addresses of cr_fast_f32,
-// cr_normal_f32 and cr_integers, and the watched codes.
+// Give the lane what it calls: the eager stream's handler, the counters' module
+// (short_draws: its lane_counter, and the codes NORMAL and INTEGERS its fills name), the
+// function returning Dynamo's frame hook, torch.Tensor, the addresses of compile_rng's C
+// functions by name (cpu_kernel.kernel_addresses), and the watched codes.
 void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
-              pybind11::object tensor_type, uintptr_t fast, uintptr_t normal, uintptr_t integers,
+              pybind11::object tensor_type, const std::unordered_map<std::string, uintptr_t>& addresses,
               const std::vector<uintptr_t>& watched) {
+  // read everything that can fail before the lane changes
+  const int64_t normal_code = counters.attr("NORMAL").cast<int64_t>();
+  const int64_t integers_code = counters.attr("INTEGERS").cast<int64_t>();
+  const auto fast = reinterpret_cast<FastF32>(addresses.at("cr_fast_f32"));
+  const auto normal = reinterpret_cast<NormalF32>(addresses.at("cr_normal_f32"));
+  const auto integers = reinterpret_cast<Integers>(addresses.at("cr_integers"));
   lane.watched = std::unordered_set<uintptr_t>(watched.begin(), watched.end());
   Py_XDECREF(lane.handler);
   Py_XDECREF(lane.counters);
@@ -518,9 +533,11 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.counters = counters.release().ptr();
   lane.dynamo_hook = dynamo_hook.release().ptr();
   lane.tensor_type = tensor_type.release().ptr();
-  lane.fast = reinterpret_cast<FastF32>(fast);
-  lane.normal = reinterpret_cast<NormalF32>(normal);
-  lane.integers = reinterpret_cast<Integers>(integers);
+  lane.fast = fast;
+  lane.normal = normal;
+  lane.integers = integers;
+  lane.normal_code = normal_code;
+  lane.integers_code = integers_code;
 }
 
 // Remove every kernel serve() registered, and the lane's references.
@@ -533,6 +550,7 @@ void clear() {
   lane.fast = nullptr;
   lane.normal = nullptr;
   lane.integers = nullptr;
+  lane.normal_code = lane.integers_code = -1;
   lane.watched.clear();
 }
 

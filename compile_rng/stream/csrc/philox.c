@@ -123,6 +123,23 @@ static int parallel_for(int64_t numel, int nthreads, int64_t min_per_thread, ran
 #endif
 }
 
+/* The words of counter n's Philox block, computed once per block: consecutive counters of a
+ * walk mostly share one. */
+typedef struct {
+    uint64_t block;  /* ~0 before the first: never a block index (< 2**62) */
+    uint32_t w[4];
+} block_cache_t;
+
+static inline const uint32_t *block_words(block_cache_t *cache, uint64_t seed, uint32_t c2, uint64_t n) {
+    uint64_t block = n >> 2;
+    if (block != cache->block) {
+        cache->w[0] = (uint32_t)block; cache->w[1] = (uint32_t)(block >> 32); cache->w[2] = c2; cache->w[3] = 0;
+        philox4x32_10(cache->w, (uint32_t)seed, (uint32_t)(seed >> 32));
+        cache->block = block;
+    }
+    return cache->w;
+}
+
 typedef struct {
     int64_t *words;   /* numel words (mode 0) or 2*numel words (pair mode) */
     int64_t *lanes;   /* optional: numel lanes (n & 3) */
@@ -137,16 +154,10 @@ static void words_range(const void *ctx, int64_t begin, int64_t end) {
     const words_t *j = (const words_t *)ctx;
     walk_t walk;
     walk_start(&walk, j->base, j->ndim, j->size, j->strides, begin);
-    uint64_t cached = ~(uint64_t)0;
-    uint32_t w[4];
+    block_cache_t cache = {~(uint64_t)0, {0}};
     for (int64_t i = begin; i < end; i++, walk_next(&walk)) {
-        uint64_t block = walk.n >> 2;
+        const uint32_t *w = block_words(&cache, j->seed, j->c2, walk.n);
         unsigned lane = (unsigned)(walk.n & 3);
-        if (block != cached) {  /* ~0 is never a block index (< 2**62) */
-            w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = j->c2; w[3] = 0;
-            philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
-            cached = block;
-        }
         if (j->pair) {
             unsigned p = lane >> 1;
             j->words[2 * i] = w[2 * p];
@@ -178,16 +189,10 @@ typedef struct {
 
 static void integers_range(const void *ctx, int64_t begin, int64_t end) {
     const integers_t *j = (const integers_t *)ctx;
-    uint64_t cached = ~(uint64_t)0;
-    uint32_t w[4];
+    block_cache_t cache = {~(uint64_t)0, {0}};
     for (int64_t i = begin; i < end; i++) {
-        uint64_t n = j->base + (uint64_t)i, block = n >> 2;  /* < 2**62: never the ~0 sentinel */
-        if (block != cached) {
-            w[0] = (uint32_t)block; w[1] = (uint32_t)(block >> 32); w[2] = 0; w[3] = 0;
-            philox4x32_10(w, (uint32_t)j->seed, (uint32_t)(j->seed >> 32));
-            cached = block;
-        }
-        uint64_t v = j->low + (uint64_t)w[n & 3] % j->span;  /* mod 2**64: two's complement */
+        uint64_t n = j->base + (uint64_t)i;
+        uint64_t v = j->low + (uint64_t)block_words(&cache, j->seed, 0, n)[n & 3] % j->span;  /* mod 2**64 */
         switch (j->elem_bytes) {
             case 8: ((uint64_t *)j->out)[i] = v; break;
             case 4: ((uint32_t *)j->out)[i] = (uint32_t)v; break;
