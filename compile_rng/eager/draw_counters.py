@@ -36,7 +36,7 @@ from compile_rng.semantics.rows import (
     current_rows,
     step_batch_dim,
 )
-from compile_rng.stream import ceil4, contiguous_strides
+from compile_rng.stream import ceil4, contiguous_stream, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -128,29 +128,39 @@ def draw_rows() -> Rows | ScatteredRows | None:
 _WHOLE = (aten.randperm.default,)
 
 
-def plain_window(func: OpOverload, size: Sequence[int], walked: bool = False) -> tuple[int, int, Sequence[int]]:
+def plain_window(func: OpOverload, size: Sequence[int]) -> tuple[int, int, Sequence[int]]:
     """``(advance, offset, counter strides)`` of a draw of ``func`` on a plain tensor of
     ``size`` here: a replica on a one-rank mesh; inside a step, rows of the batch, along
-    the dim torch's module or the step says. ``walked``: the caller found none of the
+    the dim torch's module or the step says. Reserves nothing."""
+    rows = None if func in _WHOLE else draw_rows()
+    return _plain_window(func, size, rows, read_stack(func, size, rows is not None))
+
+
+def contiguous_window(
+    func: OpOverload, size: Sequence[int], walked: bool = False,
+) -> tuple[int, int, Sequence[int]] | None:
+    """:func:`plain_window` where element ``i`` (row-major) takes counter ``offset + i``,
+    else None. ``walked``: the caller found none of the
     :func:`watched_codes` on the stack (the window then depends only on the rows, the
     step's batch dim and the size: remembered). Reserves nothing."""
-    rows = None if func in _WHOLE else draw_rows()
     if not walked:
-        return _plain_window(func, size, rows, read_stack(func, size, rows is not None))
+        window = plain_window(func, size)
+        return window if contiguous_stream(size, window[2]) else None
+    rows = None if func in _WHOLE else draw_rows()
     key = (tuple(size), id(rows), step_batch_dim() if rows is not None else 0)
     known = _walked_windows.get(key)
     if known is not None:
         return known[1]
     if len(_walked_windows) >= 256:
         _walked_windows.clear()
-    found = _plain_window(func, size, rows, _declared(rows is not None))
-    found = (found[0], found[1], tuple(found[2]))
+    advance, offset, strides = _plain_window(func, size, rows, _declared(rows is not None))
+    found = (advance, offset, tuple(strides)) if contiguous_stream(size, strides) else None
     _walked_windows[key] = (rows, found)
     return found
 
 
-#: ``(size, id(rows), batch dim)`` -> ``(rows, window)`` of walked draws: the entry keeps
-#: the rows alive, so no other rows can take their id while it lives
+#: ``(size, id(rows), batch dim)`` -> ``(rows, contiguous window or None)`` of walked
+#: draws: the entry keeps the rows alive, so no other rows can take their id while it lives
 _walked_windows: dict[tuple, tuple] = {}
 
 

@@ -5,7 +5,7 @@ dropout's ``bernoulli_(p)`` on the ``empty_like`` it fills (and timm's drop path
 and ``normal_`` fills, ``rand``/``randn`` and their ``*_like`` (masks, noise). The general path (:mod:`compile_rng.eager.dispatch_modes`) serves every op, dtype,
 layout and device through layers - the op's rule, the functional op, its kernel choice, a
 key tensor - at ~40 us a call on a Xeon core. Here such a draw takes its counters from the
-same place (:func:`~compile_rng.eager.draw_counters.plain_window`, the stream's position)
+same place (:func:`~compile_rng.eager.draw_counters.contiguous_window`, the stream's position)
 and calls the same vectorized kernel straight into the tensor: the same counters and
 values (tested against the general path, draw by draw).
 
@@ -28,7 +28,7 @@ a sequence-major tensor, whose batch rows take the outermost counters).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from compile_rng.eager import draw_counters
 from compile_rng.semantics import local_values
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.random_ops import integer_bounds, is_probability, normalized_arguments, uniform_fault
+from compile_rng.stream import state
 from compile_rng.stream.cpu_kernel import (
     FAST_BERNOULLI, FAST_UNIFORM, INTEGERS_MAX_SPAN, fast_f32, fast_uniform_ok, normal_f32, to_float32,
 )
@@ -59,8 +60,6 @@ Fill = tuple[int, float, float, float, int]
 #: the codes of the float32 normal kernel and of the integers' in a :data:`Fill` (``FAST_*``
 #: are ``fast_f32``'s); the C++ lane reads them from this module
 NORMAL, INTEGERS = 3, 4
-
-_CPU = torch.device("cpu")
 
 
 def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -131,21 +130,23 @@ def lane_counter(op: int, size: tuple[int, ...], *numbers: Any) -> tuple | None:
     fill = _LANE_FILLS[op](*numbers)
     if fill is None or local_values.any_recorded():
         return None
-    reserved = _reserve(func, list(size), walked=True)
+    reserved = _reserve(func, size, walked=True)
     if reserved is None:
         return None
     kernel, x0, x1, x2, n = fill
     return kernel, reserved[0], reserved[1] % 2**64, x0, x1, x2, n
 
 
-def _reserve(func: OpOverload, size: list[int], walked: bool = False) -> tuple[int, int, list[int]] | None:
+def _reserve(func: OpOverload, size: Sequence[int], walked: bool = False) -> tuple[int, int, Sequence[int]] | None:
     """``(seed, counter of element 0, counter strides)`` of a draw of ``func`` on a plain
-    tensor of ``size`` here, reserved (and recorded), or None where its counters are not
-    one contiguous run (nothing reserved). ``walked``: as :func:`draw_counters.plain_window`'s."""
-    advance, offset, strides = draw_counters.plain_window(func, size, walked)
-    if not stream.contiguous_stream(size, strides):
+    tensor of ``size`` here, reserved (and recorded), where element ``i`` takes counter
+    ``first + i``; else None (nothing reserved). ``walked``: as
+    :func:`draw_counters.contiguous_window`'s."""
+    window = draw_counters.contiguous_window(func, size, walked)
+    if window is None:
         return None
-    seed, base = draw_position(func, advance, _CPU)
+    advance, offset, strides = window
+    seed, base = draw_position(func, advance, state.CPU)
     if draw_counters.recording():
         draw_counters.record(draw_counters.Counters(make_key(seed, base), offset, tuple(strides), tuple(size)))
     return seed, base + offset, strides
