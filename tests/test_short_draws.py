@@ -35,11 +35,15 @@ from compile_rng.stream import state
 
 
 def _fills(x: torch.Tensor) -> list[torch.Tensor]:
-    """The served calls, several arguments each, on a contiguous float32 tensor, and the
+    """The served calls, several arguments each, on a contiguous float32 tensor, the
     integer draws of its shape: every integer width, a span of 2**32, ``randint``'s forms
-    (a float ``randint_like`` is drawn by the Python kernel, through torch's kernel)."""
+    (a float ``randint_like`` is drawn by the Python kernel, through torch's kernel), and
+    bernoulli and dropout in the other float dtypes (a bfloat16 model's masks)."""
     ints = [torch.zeros(x.shape, dtype=dtype) for dtype in (torch.int64, torch.int16, torch.uint8, torch.int8)]
     return [
+        x.to(torch.bfloat16).bernoulli_(0.3), x.to(torch.float16).bernoulli_(0.0), x.double().bernoulli_(1.0),
+        x.double().bernoulli_(0.7), F.dropout(x.to(torch.bfloat16), 0.3), F.dropout(x.to(torch.float16), 0.5),
+        F.dropout(x.double(), 0.1),
         torch.randint(0, 9, x.shape), torch.randint(3, x.shape, dtype=torch.int32), torch.randint_like(x, 5),
         torch.randint_like(x, -4, 4, dtype=torch.int64), ints[0].random_(-5, 2**32 - 5),
         ints[1].random_(-100, 100), ints[2].random_(0, 256), ints[3].random_(-128, 128),
@@ -106,7 +110,10 @@ def _not_served_layouts() -> list[torch.Tensor]:
     out = []
     with compile_rng.step(8):
         x = torch.ones(16, 8).t()  # dim 0 is the batch, but not contiguous
-        out += [x.clone().bernoulli_(0.5), x.bernoulli_(0.5), torch.ones(8, 4, dtype=torch.float64).bernoulli_(0.5)]
+        out += [x.clone().bernoulli_(0.5), x.bernoulli_(0.5), x.to(torch.bfloat16).bernoulli_(0.5)]
+        # their values depend on the dtype: the lane serves these fills in float32 only
+        out += [torch.ones(8, 4, dtype=torch.bfloat16).uniform_(), torch.ones(8, 4, dtype=torch.float64).normal_(),
+                torch.ones(8, 4, dtype=torch.float16).uniform_(-1.0, 1.0)]
         weight = nn.Parameter(torch.ones(8, 4))
         with torch.no_grad():
             out += [weight.uniform_().detach().clone()]
@@ -247,19 +254,23 @@ def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
     _assert_same((*lane, []), (*general, []))
 
 
-def test_the_c_lane_serves_the_integer_draws(monkeypatch):
-    """Each integer draw of :func:`_fills` but the float ``randint_like`` takes the lane (the
-    comparisons above would pass vacuously were they all left to the Python kernel)."""
+def test_the_c_lane_serves_the_integer_draws_and_other_float_dtypes_bernoulli(monkeypatch):
+    """Each integer draw of :func:`_fills` but the float ``randint_like``, and each bernoulli
+    and dropout in bfloat16, float16 and float64, takes the lane (the comparisons above would
+    pass vacuously were they all left to the Python kernel)."""
     served, lane = [], short_draws.lane_counter
 
-    def counted(op, *call):
-        got = lane(op, *call)
-        served.extend([] if got is None else [short_draws.LANE_OPS[op]])
+    def counted(op, size, *numbers):
+        got = lane(op, size, *numbers)
+        dtype = numbers[-1] if numbers and isinstance(numbers[-1], torch.dtype) else torch.float32
+        served.extend([] if got is None else [(short_draws.LANE_OPS[op], dtype)])
         return got
 
     monkeypatch.setattr(short_draws, "lane_counter", counted)
     _whole_step()
-    assert served.count(getattr(torch.ops.aten.random_, "from")) == 7
+    assert sum(op == getattr(torch.ops.aten.random_, "from") for op, _ in served) == 7
+    bernoulli = torch.ops.aten.bernoulli_.float
+    assert [served.count((bernoulli, d)) for d in (torch.bfloat16, torch.float16, torch.float64)] == [2, 2, 3]
 
 
 def _lane_declines() -> list[torch.Tensor]:
@@ -288,7 +299,8 @@ def test_the_c_lane_declines_what_it_does_not_serve(monkeypatch):
 
 
 def test_other_layouts_dtypes_and_arguments_take_the_general_path(monkeypatch):
-    """Not contiguous, float64 or bfloat16, a Parameter, a bound float32 cannot hold, tensor
+    """Not contiguous, float64 or bfloat16 (the short path in Python serves float32 only), a
+    Parameter, a bound float32 cannot hold, tensor
     ``p``, meta, sequence-major and interleaved rows: not served (nothing reserved
     first), same values."""
     short, general, served = _both_ways(_not_served_layouts, monkeypatch)
@@ -356,10 +368,10 @@ SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
 
 
 def _draws(rows: int) -> list[torch.Tensor]:
-    """Dropout's bernoulli_, rand, randn and randint on ``rows`` rows, each at its rows of the
-    step's global batch."""
+    """Dropout's bernoulli_, rand, randn, randint and a bfloat16 bernoulli_ on ``rows`` rows,
+    each at its rows of the step's global batch."""
     return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW),
-            torch.randint(-3, 2**32 - 3, (rows, *ROW))]
+            torch.randint(-3, 2**32 - 3, (rows, *ROW)), torch.empty(rows, *ROW, dtype=torch.bfloat16).bernoulli_(0.6)]
 
 
 def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
@@ -372,12 +384,14 @@ def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
     uniform = torch.tensor([ref.uniform01(SEED, advance + n, "float32") for n in counters]).view(shape)
     normal = torch.tensor([ref.normal_std(SEED, 2 * advance + n) for n in counters], dtype=torch.float64).view(shape)
     integers = torch.tensor([ref.randint(SEED, 3 * advance + n, -3, 2**32 - 3) for n in counters]).view(shape)
-    return [keep, uniform, normal, integers]
+    keep16 = torch.tensor([float(ref.keep_bernoulli(SEED, 4 * advance + n, 0.6)) for n in counters])
+    return [keep, uniform, normal, integers, keep16.to(torch.bfloat16).view(shape)]
 
 
 def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
-    keep, uniform, normal, integers = _expected(first_row, drawn[0].shape[0])
+    keep, uniform, normal, integers, keep16 = _expected(first_row, drawn[0].shape[0])
     assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform) and torch.equal(drawn[3], integers)
+    assert drawn[4].dtype == torch.bfloat16 and torch.equal(drawn[4], keep16)
     # the float32 Box-Muller kernel against float64 math: its conformance bound, a few ulp
     assert torch.allclose(drawn[2].double(), normal, rtol=2e-6, atol=2e-6)
 
@@ -388,7 +402,7 @@ def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch)
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
-    assert len(served) == 4
+    assert len(served) == 5
     _assert_reference(drawn, first_row=4)
 
 
@@ -417,7 +431,7 @@ def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
     with compile_rng.step(GLOBAL):
         whole = _draws(GLOBAL)
     for rank, (drawn, served, position) in enumerate(gathered):
-        assert served == 4
+        assert served == 5
         assert position == compile_rng.get_state()
         _assert_reference(drawn, first_row=4 * rank)
         assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))

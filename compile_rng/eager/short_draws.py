@@ -51,15 +51,16 @@ aten = torch.ops.aten
 NOT_SERVED = object()
 
 #: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, n)``: ``FAST_UNIFORM``
-#: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` ``(0, 1, 1, threshold)``,
-#: :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
+#: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` and :data:`BERNOULLI_BITS`
+#: ``(0, 1, 1, threshold)``, :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
 #: 2**64)`` (a span of at most 2**32 is an exact float) - plain numbers, which the C++ lane
 #: reads too
 Fill = tuple[int, float, float, float, int]
 
-#: the codes of the float32 normal kernel and of the integers' in a :data:`Fill` (``FAST_*``
-#: are ``fast_f32``'s); the C++ lane reads them from this module
-NORMAL, INTEGERS = 3, 4
+#: the codes of the float32 normal kernel, the integers' and bernoulli's in another float
+#: dtype in a :data:`Fill` (``FAST_*`` are ``fast_f32``'s); the C++ lane reads them from this
+#: module
+NORMAL, INTEGERS, BERNOULLI_BITS = 3, 4, 5
 
 
 def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -118,11 +119,12 @@ def lane_through_torch() -> bool:
 
 def lane_counter(op: int, size: tuple[int, ...], *numbers: Any) -> tuple | None:
     """The C++ lane's draw of ``LANE_OPS[op]`` with its number arguments ``numbers`` on a
-    tensor of ``size`` here (an integer tensor's dtype after its numbers): ``(kernel, seed,
+    tensor of ``size`` here (the tensor's dtype after its numbers unless it is float32):
+    ``(kernel, seed,
     counter of element 0, x0, x1, x2, n)`` (a :data:`Fill`'s kernel and arguments), its
     counters reserved, or None (nothing reserved: the call takes the Python kernel). The
-    lane has checked what it can in C++ (a dense CPU tensor, float32 for float numbers and
-    an integer dtype for int ones, no generator, no dispatch mode, this thread's eager
+    lane has checked what it can in C++ (a dense CPU tensor, a float dtype for float numbers
+    and an integer dtype for int ones, no generator, no dispatch mode, this thread's eager
     stream) and walked the stack (none of :func:`draw_counters.watched_codes` on it); here:
     the arguments the lane serves, no tensor-parallel piece recorded, one contiguous run of
     counters."""
@@ -179,9 +181,12 @@ def _factory(kw: dict, like: torch.Tensor | None = None) -> list[int] | None:
     return list(size) if all(type(n) is int and n >= 0 for n in size) else None
 
 
+# The fills take the tensor's dtype where the lane passes it (a float tensor's unless
+# float32, an integer tensor's): only bernoulli's values, 0 and 1, are the same in every
+# float dtype.
 @functools.lru_cache(maxsize=256)  # pure; a step repeats a few arguments (dropout's p)
-def _uniform(low: Any, high: Any) -> Fill | None:
-    if not _number(low, high):
+def _uniform(low: Any, high: Any, dtype: torch.dtype | None = None) -> Fill | None:
+    if dtype is not None or not _number(low, high):
         return None
     low, high = float(low), float(high)
     if uniform_fault(low, high, torch.float32) is not None or not fast_uniform_ok(high):
@@ -190,17 +195,23 @@ def _uniform(low: Any, high: Any) -> Fill | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _normal(mean: Any, std: Any) -> Fill | None:
-    if not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
+def _normal(mean: Any, std: Any, dtype: torch.dtype | None = None) -> Fill | None:
+    if dtype is not None or not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
         return None
     return NORMAL, float(mean), float(std), 0.0, 0
 
 
 @functools.lru_cache(maxsize=256)
-def _bernoulli(p: Any) -> Fill | None:
-    if not (_number(p) and is_probability(p)):
+def _bernoulli(p: Any, dtype: torch.dtype | None = None) -> Fill | None:
+    if not (_number(p) and is_probability(p)) or dtype not in _BERNOULLI_DTYPES:
         return None
-    return FAST_BERNOULLI, 0.0, 1.0, 1.0, stream.threshold32(float(p))
+    kernel = FAST_BERNOULLI if dtype is None else BERNOULLI_BITS  # the lane writes the dtype's 1.0
+    return kernel, 0.0, 1.0, 1.0, stream.threshold32(float(p))
+
+
+#: the float dtypes of :func:`_bernoulli`'s tensors: float32 (None), and those whose 1.0
+#: the lane writes as bits (a bfloat16 dropout's mask)
+_BERNOULLI_DTYPES = (None, torch.float16, torch.bfloat16, torch.float64)
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,6 +259,6 @@ _CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
     aten.randn_like.default: _made(_normal_of, like=True),
 }
 
-#: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments, and an integer tensor's dtype
-#: (None: not served)
+#: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments, and the tensor's dtype where
+#: the lane passes it (None: not served)
 _LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal, _integers)

@@ -44,7 +44,9 @@
 #include <c10/core/TensorOptions.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -54,6 +56,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -95,15 +98,17 @@ PyObject* drawing_here() {
 }
 
 // compile_rng's CPU kernels (compile_rng/stream/csrc/philox.c): cr_fast_f32, float32
-// uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, and
-// cr_integers (low + word mod span, any integer width)
+// uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, cr_integers
+// (low + word mod span, any integer width) and cr_bernoulli_bits (bernoulli in any float
+// dtype, its 1.0 given as bits)
 using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, uint64_t, float, float, float,
                         uint64_t, float, int);
 using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
 using Integers = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
+using BernoulliBits = Integers;  // (out, width, numel, seed, base, one, threshold, threads)
 // Which C function a fill calls; the lane maps short_draws' codes onto it (set_lane reads
 // them from the module), so no number is shared by hand.
-enum class Kernel { kFast, kNormal, kIntegers };
+enum class Kernel { kFast, kNormal, kIntegers, kBernoulliBits };
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
@@ -116,7 +121,9 @@ struct Lane {
   FastF32 fast = nullptr;
   NormalF32 normal = nullptr;
   Integers integers = nullptr;
-  int64_t normal_code = -1, integers_code = -1;  // short_draws.NORMAL and INTEGERS
+  BernoulliBits bernoulli_bits = nullptr;
+  // short_draws.NORMAL, INTEGERS and BERNOULLI_BITS
+  int64_t normal_code = -1, integers_code = -1, bernoulli_bits_code = -1;
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
   std::unordered_set<uintptr_t> watched;
@@ -135,7 +142,28 @@ struct Fill {
   FastF32 fast;
   NormalF32 normal;
   Integers integers;
+  BernoulliBits bernoulli_bits;
 };
+
+// 1.0 in a float dtype, as the value of its bits (what cr_bernoulli_bits stores, width-wide)
+uint64_t one_bits(at::ScalarType dtype) {
+  if (dtype == at::kHalf) {
+    return c10::Half(1.0f).x;
+  }
+  if (dtype == at::kBFloat16) {
+    return c10::BFloat16(1.0f).x;
+  }
+  if (dtype == at::kDouble) {
+    const double one = 1.0;
+    uint64_t bits;
+    std::memcpy(&bits, &one, sizeof bits);
+    return bits;
+  }
+  const float one = 1.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &one, sizeof bits);
+  return bits;
+}
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
 bool watched_frame_on_stack() {
@@ -220,12 +248,14 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   static PyObject* const lane_counter = name("lane_counter");
   const size_t first_argument = stack.size() - arity;
   const at::Tensor& self = stack[first_argument].toTensor();
-  // a lane op's numbers are floats (a float32 tensor's fill) or ints (random_'s bounds, on
+  // a lane op's numbers are floats (a float tensor's fill) or ints (random_'s bounds, on
   // an integer tensor; its `to` may be None)
   const bool integers = stack[first_argument + 1].isInt();
   const at::ScalarType dtype = self.scalar_type();
+  const bool float_dtype =
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
   if (!stack.back().isNone() || self.device().type() != c10::kCPU ||
-      !(integers ? at::isIntegralType(dtype, /*includeBool=*/false) : dtype == at::kFloat) ||
+      !(integers ? at::isIntegralType(dtype, /*includeBool=*/false) : float_dtype) ||
       self.layout() != c10::kStrided || !self.is_contiguous() || self.key_set().has(c10::DispatchKey::Python)) {
     return false;
   }
@@ -241,9 +271,11 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
       !lane_open(drawing) || watched_frame_on_stack()) {
     return false;
   }
-  // lane_counter(op, size, numbers...), and the dtype after an integer tensor's numbers
+  // lane_counter(op, size, numbers...), and the dtype after the numbers unless it is
+  // float32 (the common fill pays nothing for it)
+  const bool with_dtype = dtype != at::kFloat;
   const auto sizes = self.sizes();
-  PyObject* arguments = PyTuple_New(static_cast<Py_ssize_t>(integers ? arity + 1 : arity));
+  PyObject* arguments = PyTuple_New(static_cast<Py_ssize_t>(with_dtype ? arity + 1 : arity));
   PyObject* size = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyTuple_SET_ITEM(size, i, PyLong_FromLongLong(sizes[i]));
@@ -254,7 +286,7 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
     const c10::IValue& number = stack[first_argument + i - 1];
     PyTuple_SET_ITEM(arguments, i, integers ? PyLong_FromLongLong(number.toInt()) : PyFloat_FromDouble(number.toDouble()));
   }
-  if (integers) {
+  if (with_dtype) {
     PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype));
     Py_INCREF(dtype_object);
     PyTuple_SET_ITEM(arguments, arity, dtype_object);
@@ -269,13 +301,15 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   const bool served = got != Py_None;
   if (served) {
     const int64_t code = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0));
-    const Kernel kind = code == lane.normal_code     ? Kernel::kNormal
-                        : code == lane.integers_code ? Kernel::kIntegers
-                                                     : Kernel::kFast;
+    const Kernel kind = code == lane.normal_code           ? Kernel::kNormal
+                        : code == lane.integers_code       ? Kernel::kIntegers
+                        : code == lane.bernoulli_bits_code ? Kernel::kBernoulliBits
+                                                           : Kernel::kFast;
     fill = Fill{code, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
-                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal, lane.integers};
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal, lane.integers,
+                lane.bernoulli_bits};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -404,9 +438,13 @@ class RandomOpKernel final : public c10::OperatorKernel {
     if (numel != 0) {
       const int threads = at::get_num_threads();
       int failed = 0;
+      const int width = static_cast<int>(self.element_size());
       if (fill.kind == Kernel::kIntegers) {
-        failed = fill.integers(self.data_ptr(), static_cast<int>(self.element_size()), numel, fill.seed, fill.first,
-                               fill.n, static_cast<uint64_t>(fill.x1), threads);
+        failed = fill.integers(self.data_ptr(), width, numel, fill.seed, fill.first, fill.n,
+                               static_cast<uint64_t>(fill.x1), threads);
+      } else if (fill.kind == Kernel::kBernoulliBits) {
+        failed = fill.bernoulli_bits(self.data_ptr(), width, numel, fill.seed, fill.first,
+                                     one_bits(self.scalar_type()), fill.n, threads);
       } else if (fill.kind == Kernel::kNormal) {
         failed = fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
                              static_cast<float>(fill.x0), static_cast<float>(fill.x1), threads);
@@ -512,7 +550,8 @@ bool include(bool on) {
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module
-// (short_draws: its lane_counter, and the codes NORMAL and INTEGERS its fills name), the
+// (short_draws: its lane_counter, and the codes NORMAL, INTEGERS and BERNOULLI_BITS its fills
+// name), the
 // function returning Dynamo's frame hook, torch.Tensor, the addresses of compile_rng's C
 // functions by name (cpu_kernel.kernel_addresses), and the watched codes.
 void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
@@ -521,9 +560,11 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   // read everything that can fail before the lane changes
   const int64_t normal_code = counters.attr("NORMAL").cast<int64_t>();
   const int64_t integers_code = counters.attr("INTEGERS").cast<int64_t>();
+  const int64_t bernoulli_bits_code = counters.attr("BERNOULLI_BITS").cast<int64_t>();
   const auto fast = reinterpret_cast<FastF32>(addresses.at("cr_fast_f32"));
   const auto normal = reinterpret_cast<NormalF32>(addresses.at("cr_normal_f32"));
   const auto integers = reinterpret_cast<Integers>(addresses.at("cr_integers"));
+  const auto bernoulli_bits = reinterpret_cast<BernoulliBits>(addresses.at("cr_bernoulli_bits"));
   lane.watched = std::unordered_set<uintptr_t>(watched.begin(), watched.end());
   Py_XDECREF(lane.handler);
   Py_XDECREF(lane.counters);
@@ -538,6 +579,8 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.integers = integers;
   lane.normal_code = normal_code;
   lane.integers_code = integers_code;
+  lane.bernoulli_bits = bernoulli_bits;
+  lane.bernoulli_bits_code = bernoulli_bits_code;
 }
 
 // Remove every kernel serve() registered, and the lane's references.
@@ -550,7 +593,8 @@ void clear() {
   lane.fast = nullptr;
   lane.normal = nullptr;
   lane.integers = nullptr;
-  lane.normal_code = lane.integers_code = -1;
+  lane.bernoulli_bits = nullptr;
+  lane.normal_code = lane.integers_code = lane.bernoulli_bits_code = -1;
   lane.watched.clear();
 }
 

@@ -9,6 +9,8 @@
  * - cr_fast_f32: float32 uniform/bernoulli/dropout of a contiguous stream, final values;
  * - cr_normal_f32: float32 normals of any layout, final values.
  * - cr_normal_f32_at: float32 normals at explicit counters.
+ * - cr_integers, cr_bernoulli_bits: integers and any float dtype's bernoulli of a
+ *   contiguous stream, one word per element.
  *
  * Built at first use by compile_rng/cpu_kernel.py, once per instruction set, with
  * -ffp-contract=off and without -ffast-math, so float results do not depend on
@@ -178,21 +180,25 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
     return parallel_for(numel, nthreads, 1 << 16, words_range, &ctx);
 }
 
-/* Integers in [low, low + span) of a contiguous stream (counter = base + i), span <= 2**32:
- * low + W mod span (canonical stream v1, section 5), stored as elem_bytes-wide two's
- * complement (the caller checked that every value of the range fits the dtype). */
+/* One word per element of a contiguous stream (counter = base + i), mapped, stored
+ * elem_bytes wide:
+ * - integers in [low, low + span), span <= 2**32: low + W mod span (canonical stream v1,
+ *   section 5) as two's complement (the caller checked that every value fits the dtype);
+ * - bernoulli: `one` (a float dtype's 1.0, as bits) where W < threshold, else 0 (its 0.0). */
 typedef struct {
     void *out;
-    int elem_bytes;
-    uint64_t seed, base, low, span;
-} integers_t;
+    int elem_bytes, bernoulli;
+    uint64_t seed, base;
+    uint64_t a, b;  /* integers: low, span; bernoulli: one, threshold */
+} word_values_t;
 
-static void integers_range(const void *ctx, int64_t begin, int64_t end) {
-    const integers_t *j = (const integers_t *)ctx;
+static void word_values_range(const void *ctx, int64_t begin, int64_t end) {
+    const word_values_t *j = (const word_values_t *)ctx;
     block_cache_t cache = {~(uint64_t)0, {0}};
     for (int64_t i = begin; i < end; i++) {
         uint64_t n = j->base + (uint64_t)i;
-        uint64_t v = j->low + (uint64_t)block_words(&cache, j->seed, 0, n)[n & 3] % j->span;  /* mod 2**64 */
+        uint64_t w = block_words(&cache, j->seed, 0, n)[n & 3];
+        uint64_t v = j->bernoulli ? (w < j->b ? j->a : 0) : j->a + w % j->b;  /* mod 2**64 */
         switch (j->elem_bytes) {
             case 8: ((uint64_t *)j->out)[i] = v; break;
             case 4: ((uint32_t *)j->out)[i] = (uint32_t)v; break;
@@ -202,14 +208,27 @@ static void integers_range(const void *ctx, int64_t begin, int64_t end) {
     }
 }
 
+static int word_values(word_values_t *ctx, int64_t numel, int nthreads) {
+    int width = ctx->elem_bytes;
+    if (width != 1 && width != 2 && width != 4 && width != 8) return -1;
+    return parallel_for(numel, nthreads, 1 << 16, word_values_range, ctx);
+}
+
 /* Returns 0 on success, -1 for a span or element width it does not take, -2 if a thread
  * could not start. */
 int cr_integers(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t low,
                 uint64_t span, int nthreads) {
-    if (span == 0 || span > (1ULL << 32) ||
-        (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8)) return -1;
-    integers_t ctx = {out, elem_bytes, seed, base, low, span};
-    return parallel_for(numel, nthreads, 1 << 16, integers_range, &ctx);
+    if (span == 0 || span > (1ULL << 32)) return -1;
+    word_values_t ctx = {out, elem_bytes, 0, seed, base, low, span};
+    return word_values(&ctx, numel, nthreads);
+}
+
+/* bernoulli(p) in any float dtype: threshold = threshold32(p) (<= 2**32), `one` the dtype's
+ * 1.0 as elem_bytes-wide bits. Returns as cr_integers. */
+int cr_bernoulli_bits(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t one,
+                      uint64_t threshold, int nthreads) {
+    word_values_t ctx = {out, elem_bytes, 1, seed, base, one, threshold};
+    return word_values(&ctx, numel, nthreads);
 }
 
 /* ---- Fast paths: contiguous streams (counter = base + i), final float32 values ---------
