@@ -38,12 +38,16 @@ def _fills(x: torch.Tensor) -> list[torch.Tensor]:
     """The served calls, several arguments each, on a contiguous float32 tensor, the
     integer draws of its shape: every integer width, a span of 2**32, ``randint``'s forms
     (a float ``randint_like`` is drawn by the Python kernel, through torch's kernel), and
-    bernoulli and dropout in the other float dtypes (a bfloat16 model's masks)."""
+    bernoulli, dropout and rand in the other float dtypes (a bfloat16 model's masks), normals
+    in bfloat16 and float16."""
     ints = [torch.zeros(x.shape, dtype=dtype) for dtype in (torch.int64, torch.int16, torch.uint8, torch.int8)]
     return [
         x.to(torch.bfloat16).bernoulli_(0.3), x.to(torch.float16).bernoulli_(0.0), x.double().bernoulli_(1.0),
         x.double().bernoulli_(0.7), F.dropout(x.to(torch.bfloat16), 0.3), F.dropout(x.to(torch.float16), 0.5),
-        F.dropout(x.double(), 0.1),
+        F.dropout(x.double(), 0.1), x.to(torch.bfloat16).normal_(), x.to(torch.float16).normal_(2, 0.5),
+        torch.randn_like(x.to(torch.bfloat16)), torch.randn(x.shape, dtype=torch.float16),
+        torch.rand_like(x.to(torch.bfloat16)), x.to(torch.float16).uniform_(), torch.rand(x.shape, dtype=torch.float64),
+        x.double().uniform_(0, 1),
         torch.randint(0, 9, x.shape), torch.randint(3, x.shape, dtype=torch.int32), torch.randint_like(x, 5),
         torch.randint_like(x, -4, 4, dtype=torch.int64), ints[0].random_(-5, 2**32 - 5),
         ints[1].random_(-100, 100), ints[2].random_(0, 256), ints[3].random_(-128, 128),
@@ -112,14 +116,14 @@ def _not_served_layouts() -> list[torch.Tensor]:
         x = torch.ones(16, 8).t()  # dim 0 is the batch, but not contiguous
         out += [x.clone().bernoulli_(0.5), x.bernoulli_(0.5), x.to(torch.bfloat16).bernoulli_(0.5)]
         # their values depend on the dtype: the lane serves these fills in float32 only
-        out += [torch.ones(8, 4, dtype=torch.bfloat16).uniform_(), torch.ones(8, 4, dtype=torch.float64).normal_(),
+        out += [torch.ones(8, 4, dtype=torch.bfloat16).uniform_(0.0, 2.0), torch.ones(8, 4, dtype=torch.float64).normal_(),
                 torch.ones(8, 4, dtype=torch.float16).uniform_(-1.0, 1.0)]
         weight = nn.Parameter(torch.ones(8, 4))
         with torch.no_grad():
             out += [weight.uniform_().detach().clone()]
         out += [torch.ones(8, 4).uniform_(-0.1, 0.1)]  # 0.1 is no float32
         out += [torch.ones(8, 4).bernoulli_(torch.full((8, 4), 0.3))]
-        out += [torch.rand(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.bfloat16),
+        out += [torch.empty(8, 4, dtype=torch.float64).uniform_(0.5, 1.0), torch.randn(8, 4, dtype=torch.float64),
                 torch.randn_like(torch.ones(4, 8).t()), torch.rand_like(torch.ones(4, 8).t()),
                 torch.ones(4, 8).t().normal_()]
         out += [torch.empty(torch.randn(8, 4, device="meta").shape)[:0]]
@@ -237,8 +241,8 @@ def _lane_and_general(scenario, monkeypatch, through_torch: list | None = None) 
 
 
 # the scenarios whose draws include rand, randn, randint and their *_like (the lane's
-# factories): 11 of them in each _fills call
-FACTORIES = {"whole step": 11, "rows 4-7 of 8": 11, "microbatches": 22, "replica stream": 11}
+# factories): 15 of them in each _fills call
+FACTORIES = {"whole step": 15, "rows 4-7 of 8": 15, "microbatches": 30, "replica stream": 15}
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -254,10 +258,11 @@ def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
     _assert_same((*lane, []), (*general, []))
 
 
-def test_the_c_lane_serves_the_integer_draws_and_other_float_dtypes_bernoulli(monkeypatch):
-    """Each integer draw of :func:`_fills` but the float ``randint_like``, and each bernoulli
-    and dropout in bfloat16, float16 and float64, takes the lane (the comparisons above would
-    pass vacuously were they all left to the Python kernel)."""
+def test_the_c_lane_serves_integers_and_other_float_dtypes(monkeypatch):
+    """Each integer draw of :func:`_fills` but the float ``randint_like``, each bernoulli,
+    dropout and rand in bfloat16, float16 and float64, and each normal in bfloat16 and float16,
+    takes the lane (the comparisons above would pass vacuously were they all left to the
+    Python kernel)."""
     served, lane = [], short_draws.lane_counter
 
     def counted(op, size, *numbers):
@@ -271,6 +276,10 @@ def test_the_c_lane_serves_the_integer_draws_and_other_float_dtypes_bernoulli(mo
     assert sum(op == getattr(torch.ops.aten.random_, "from") for op, _ in served) == 7
     bernoulli = torch.ops.aten.bernoulli_.float
     assert [served.count((bernoulli, d)) for d in (torch.bfloat16, torch.float16, torch.float64)] == [2, 2, 3]
+    normal = torch.ops.aten.normal_.default
+    assert [served.count((normal, d)) for d in (torch.bfloat16, torch.float16)] == [2, 2]
+    uniform = torch.ops.aten.uniform_.default
+    assert [served.count((uniform, d)) for d in (torch.bfloat16, torch.float16, torch.float64)] == [1, 1, 2]
 
 
 def _lane_declines() -> list[torch.Tensor]:
@@ -368,10 +377,11 @@ SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
 
 
 def _draws(rows: int) -> list[torch.Tensor]:
-    """Dropout's bernoulli_, rand, randn, randint and a bfloat16 bernoulli_ on ``rows`` rows,
-    each at its rows of the step's global batch."""
+    """Dropout's bernoulli_, rand, randn, randint, a bfloat16 bernoulli_, randn and rand on
+    ``rows`` rows, each at its rows of the step's global batch."""
     return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW),
-            torch.randint(-3, 2**32 - 3, (rows, *ROW)), torch.empty(rows, *ROW, dtype=torch.bfloat16).bernoulli_(0.6)]
+            torch.randint(-3, 2**32 - 3, (rows, *ROW)), torch.empty(rows, *ROW, dtype=torch.bfloat16).bernoulli_(0.6),
+            torch.randn(rows, *ROW, dtype=torch.bfloat16), torch.rand(rows, *ROW, dtype=torch.bfloat16)]
 
 
 def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
@@ -385,13 +395,19 @@ def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
     normal = torch.tensor([ref.normal_std(SEED, 2 * advance + n) for n in counters], dtype=torch.float64).view(shape)
     integers = torch.tensor([ref.randint(SEED, 3 * advance + n, -3, 2**32 - 3) for n in counters]).view(shape)
     keep16 = torch.tensor([float(ref.keep_bernoulli(SEED, 4 * advance + n, 0.6)) for n in counters])
-    return [keep, uniform, normal, integers, keep16.to(torch.bfloat16).view(shape)]
+    normal16 = torch.tensor([ref.normal_std(SEED, 5 * advance + n) for n in counters], dtype=torch.float64)
+    uniform16 = torch.tensor([ref.uniform01(SEED, 6 * advance + n, "bfloat16") for n in counters])
+    return [keep, uniform, normal, integers, keep16.to(torch.bfloat16).view(shape), normal16.view(shape),
+            uniform16.to(torch.bfloat16).view(shape)]
 
 
 def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
-    keep, uniform, normal, integers, keep16 = _expected(first_row, drawn[0].shape[0])
+    keep, uniform, normal, integers, keep16, normal16, uniform16 = _expected(first_row, drawn[0].shape[0])
     assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform) and torch.equal(drawn[3], integers)
     assert drawn[4].dtype == torch.bfloat16 and torch.equal(drawn[4], keep16)
+    assert drawn[6].dtype == torch.bfloat16 and torch.equal(drawn[6], uniform16)  # exact in bfloat16
+    # a bfloat16 normal: the float32 one rounded, within half of bfloat16's ulp of the math
+    assert drawn[5].dtype == torch.bfloat16 and torch.allclose(drawn[5].double(), normal16, rtol=2**-8, atol=2**-8)
     # the float32 Box-Muller kernel against float64 math: its conformance bound, a few ulp
     assert torch.allclose(drawn[2].double(), normal, rtol=2e-6, atol=2e-6)
 
@@ -402,7 +418,7 @@ def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch)
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
-    assert len(served) == 5
+    assert len(served) == 7
     _assert_reference(drawn, first_row=4)
 
 
@@ -431,7 +447,7 @@ def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
     with compile_rng.step(GLOBAL):
         whole = _draws(GLOBAL)
     for rank, (drawn, served, position) in enumerate(gathered):
-        assert served == 5
+        assert served == 7
         assert position == compile_rng.get_state()
         _assert_reference(drawn, first_row=4 * rank)
         assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))

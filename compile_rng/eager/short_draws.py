@@ -16,7 +16,9 @@ their ``*_like`` reach the lane through torch's kernels (:data:`LANE_FACTORIES`)
 an empty tensor; :func:`short_draw` serves them where the lane is off. The lane also
 serves ``random_(low, high)`` on a dense integer tensor, and so ``randint`` and
 ``randint_like`` (torch's kernels fill an empty tensor with it) where the range spans at
-most 2**32 (one word per value).
+most 2**32 (one word per value), and in bfloat16, float16 and float64 the fills whose values
+need no arithmetic of the dtype: ``bernoulli_(p)`` (0 and 1), rand's ``uniform_(0, 1)``
+(exact in the dtype) and, in half precision, ``normal_`` (the float32 values rounded).
 
 Anything else is not served and takes the general path *before* a counter is reserved:
 another op, dtype, device or layout; a subclass (a Parameter, a fake or functional
@@ -51,16 +53,22 @@ aten = torch.ops.aten
 NOT_SERVED = object()
 
 #: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, n)``: ``FAST_UNIFORM``
-#: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` and :data:`BERNOULLI_BITS`
-#: ``(0, 1, 1, threshold)``, :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
+#: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` ``(0, 1, 1, threshold)``,
+#: :data:`BERNOULLI_BITS` ``(0, threshold, 0, the dtype's 1.0 as bits)``, :data:`UNIT_UNIFORM`
+#: ``(0, 0, 0, the dtype's uniform bits)``, :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
 #: 2**64)`` (a span of at most 2**32 is an exact float) - plain numbers, which the C++ lane
 #: reads too
 Fill = tuple[int, float, float, float, int]
 
-#: the codes of the float32 normal kernel, the integers' and bernoulli's in another float
-#: dtype in a :data:`Fill` (``FAST_*`` are ``fast_f32``'s); the C++ lane reads them from this
-#: module
-NORMAL, INTEGERS, BERNOULLI_BITS = 3, 4, 5
+#: the codes of the float32 normal kernel and of the word kernels in a :data:`Fill`
+#: (``FAST_*`` are ``fast_f32``'s): integers, bernoulli in another float dtype, rand's
+#: ``[0, 1)`` in another float dtype
+NORMAL, INTEGERS, BERNOULLI_BITS, UNIT_UNIFORM = 3, 4, 5, 6
+
+#: the word kernels' C functions (``csrc/philox.c``: one word per element, any width), which
+#: take a :data:`Fill`'s ``n`` and ``x1`` as their numbers ``a`` and ``b``; the C++ lane reads
+#: this and :data:`NORMAL` from this module
+WORD_KERNELS = {INTEGERS: "cr_integers", BERNOULLI_BITS: "cr_bernoulli_bits", UNIT_UNIFORM: "cr_unit_uniform_bits"}
 
 
 def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -182,11 +190,14 @@ def _factory(kw: dict, like: torch.Tensor | None = None) -> list[int] | None:
 
 
 # The fills take the tensor's dtype where the lane passes it (a float tensor's unless
-# float32, an integer tensor's): only bernoulli's values, 0 and 1, are the same in every
-# float dtype.
+# float32, an integer tensor's): bernoulli's values, 0 and 1, are the same in every float
+# dtype, and a half-precision normal is the float32 one rounded; uniform's depend on the
+# dtype's bits.
 @functools.lru_cache(maxsize=256)  # pure; a step repeats a few arguments (dropout's p)
 def _uniform(low: Any, high: Any, dtype: torch.dtype | None = None) -> Fill | None:
-    if dtype is not None or not _number(low, high):
+    if dtype is not None:  # rand's [0, 1) is exact in every float dtype: written as its bits
+        return (UNIT_UNIFORM, 0.0, 0.0, 0.0, stream.UNIFORM_BITS[dtype]) if (low, high) == (0.0, 1.0) else None
+    if not _number(low, high):
         return None
     low, high = float(low), float(high)
     if uniform_fault(low, high, torch.float32) is not None or not fast_uniform_ok(high):
@@ -196,22 +207,31 @@ def _uniform(low: Any, high: Any, dtype: torch.dtype | None = None) -> Fill | No
 
 @functools.lru_cache(maxsize=256)
 def _normal(mean: Any, std: Any, dtype: torch.dtype | None = None) -> Fill | None:
-    if dtype is not None or not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
+    # bfloat16 and float16 normals are the float32 ones rounded (the lane rounds them)
+    if dtype not in _NORMAL_DTYPES or not (_number(mean, std) and std >= 0):  # torch refuses a negative or NaN std
         return None
     return NORMAL, float(mean), float(std), 0.0, 0
+
+
+#: the float dtypes of :func:`_normal`'s tensors: float32 (None), bfloat16, float16
+_NORMAL_DTYPES = (None, torch.bfloat16, torch.float16)
 
 
 @functools.lru_cache(maxsize=256)
 def _bernoulli(p: Any, dtype: torch.dtype | None = None) -> Fill | None:
     if not (_number(p) and is_probability(p)) or dtype not in _BERNOULLI_DTYPES:
         return None
-    kernel = FAST_BERNOULLI if dtype is None else BERNOULLI_BITS  # the lane writes the dtype's 1.0
-    return kernel, 0.0, 1.0, 1.0, stream.threshold32(float(p))
+    threshold = stream.threshold32(float(p))
+    if dtype is None:
+        return FAST_BERNOULLI, 0.0, 1.0, 1.0, threshold
+    one = torch.ones((), dtype=dtype).view(_SAME_WIDTH_INT[dtype]).item()  # positive: 1.0's sign bit is 0
+    return BERNOULLI_BITS, 0.0, float(threshold), 0.0, one
 
 
-#: the float dtypes of :func:`_bernoulli`'s tensors: float32 (None), and those whose 1.0
-#: the lane writes as bits (a bfloat16 dropout's mask)
-_BERNOULLI_DTYPES = (None, torch.float16, torch.bfloat16, torch.float64)
+#: the float dtypes of :func:`_bernoulli`'s tensors: float32 (None), and those it writes
+#: 1.0 in as bits (a bfloat16 dropout's mask), with the integer dtype of their width
+_SAME_WIDTH_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+_BERNOULLI_DTYPES = (None, *_SAME_WIDTH_INT)
 
 
 @functools.lru_cache(maxsize=256)

@@ -305,13 +305,12 @@ def integers(seed: int, base: int, low: int, high: int, out: torch.Tensor) -> to
 
 
 def kernel_addresses() -> dict[str, int]:
-    """The addresses of :func:`fast_f32`'s, :func:`normal_f32`'s and :func:`integers`' C
-    functions, and of ``cr_bernoulli_bits`` (``bernoulli(p)`` in any float dtype: ``one``, the
-    dtype's 1.0 as bits, where ``W < threshold``, else 0), in this process's build, by their
-    names in ``csrc/philox.c``, for C++ callers."""
+    """The addresses of the C functions C++ callers take (:func:`fast_f32`'s, :func:`normal_f32`'s,
+    and the word kernels': :func:`integers`' ``cr_integers``, ``cr_bernoulli_bits``,
+    ``cr_unit_uniform_bits``, see ``csrc/philox.c``) in this process's build, by name."""
     lib = _library()
     return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-            for name in ("cr_fast_f32", "cr_normal_f32", "cr_integers", "cr_bernoulli_bits")}
+            for name in ("cr_fast_f32", "cr_normal_f32", "cr_integers", "cr_bernoulli_bits", "cr_unit_uniform_bits")}
 
 
 def philox_words(

@@ -39,6 +39,8 @@
 // ScalarType's torch.dtype, as torch's own bindings return it).
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
@@ -98,17 +100,17 @@ PyObject* drawing_here() {
 }
 
 // compile_rng's CPU kernels (compile_rng/stream/csrc/philox.c): cr_fast_f32, float32
-// uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, cr_integers
-// (low + word mod span, any integer width) and cr_bernoulli_bits (bernoulli in any float
-// dtype, its 1.0 given as bits)
+// uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, and the word
+// kernels (one word per element, any width: cr_integers, cr_bernoulli_bits,
+// cr_unit_uniform_bits), which take two numbers a and b
 using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, uint64_t, float, float, float,
                         uint64_t, float, int);
 using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
-using Integers = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
-using BernoulliBits = Integers;  // (out, width, numel, seed, base, one, threshold, threads)
+// (out, width, numel, seed, base, a, b, threads)
+using WordKernel = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
 // Which C function a fill calls; the lane maps short_draws' codes onto it (set_lane reads
 // them from the module), so no number is shared by hand.
-enum class Kernel { kFast, kNormal, kIntegers, kBernoulliBits };
+enum class Kernel { kFast, kNormal, kWords };
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
@@ -120,10 +122,8 @@ struct Lane {
   PyObject* tensor_type = nullptr;  // torch.Tensor: a subclass's tensor (a Parameter) is not served
   FastF32 fast = nullptr;
   NormalF32 normal = nullptr;
-  Integers integers = nullptr;
-  BernoulliBits bernoulli_bits = nullptr;
-  // short_draws.NORMAL, INTEGERS and BERNOULLI_BITS
-  int64_t normal_code = -1, integers_code = -1, bernoulli_bits_code = -1;
+  int64_t normal_code = -1;  // short_draws.NORMAL
+  std::unordered_map<int64_t, WordKernel> words;  // short_draws.WORD_KERNELS' codes
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
   std::unordered_set<uintptr_t> watched;
@@ -137,33 +137,12 @@ struct Fill {
   int64_t kernel;  // short_draws' code: cr_fast_f32's op where `kind` is kFast
   uint64_t seed, first;
   double x0, x1, x2;
-  uint64_t n;  // bernoulli's threshold, or the integers' low (two's complement)
+  uint64_t n;  // float32 bernoulli's threshold; a word kernel's a (its b: x1)
   Kernel kind;
   FastF32 fast;
   NormalF32 normal;
-  Integers integers;
-  BernoulliBits bernoulli_bits;
+  WordKernel word;
 };
-
-// 1.0 in a float dtype, as the value of its bits (what cr_bernoulli_bits stores, width-wide)
-uint64_t one_bits(at::ScalarType dtype) {
-  if (dtype == at::kHalf) {
-    return c10::Half(1.0f).x;
-  }
-  if (dtype == at::kBFloat16) {
-    return c10::BFloat16(1.0f).x;
-  }
-  if (dtype == at::kDouble) {
-    const double one = 1.0;
-    uint64_t bits;
-    std::memcpy(&bits, &one, sizeof bits);
-    return bits;
-  }
-  const float one = 1.0f;
-  uint32_t bits;
-  std::memcpy(&bits, &one, sizeof bits);
-  return bits;
-}
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
 bool watched_frame_on_stack() {
@@ -301,15 +280,15 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   const bool served = got != Py_None;
   if (served) {
     const int64_t code = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0));
-    const Kernel kind = code == lane.normal_code           ? Kernel::kNormal
-                        : code == lane.integers_code       ? Kernel::kIntegers
-                        : code == lane.bernoulli_bits_code ? Kernel::kBernoulliBits
-                                                           : Kernel::kFast;
+    const auto word = lane.words.find(code);
+    const Kernel kind = code == lane.normal_code       ? Kernel::kNormal
+                        : word != lane.words.end() ? Kernel::kWords
+                                                   : Kernel::kFast;
     fill = Fill{code, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
-                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal, lane.integers,
-                lane.bernoulli_bits};
+                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal,
+                kind == Kernel::kWords ? word->second : nullptr};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -438,16 +417,20 @@ class RandomOpKernel final : public c10::OperatorKernel {
     if (numel != 0) {
       const int threads = at::get_num_threads();
       int failed = 0;
-      const int width = static_cast<int>(self.element_size());
-      if (fill.kind == Kernel::kIntegers) {
-        failed = fill.integers(self.data_ptr(), width, numel, fill.seed, fill.first, fill.n,
-                               static_cast<uint64_t>(fill.x1), threads);
-      } else if (fill.kind == Kernel::kBernoulliBits) {
-        failed = fill.bernoulli_bits(self.data_ptr(), width, numel, fill.seed, fill.first,
-                                     one_bits(self.scalar_type()), fill.n, threads);
+      if (fill.kind == Kernel::kWords) {
+        failed = fill.word(self.data_ptr(), static_cast<int>(self.element_size()), numel, fill.seed, fill.first,
+                           fill.n, static_cast<uint64_t>(fill.x1), threads);
       } else if (fill.kind == Kernel::kNormal) {
-        failed = fill.normal(self.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
+        // float32 values; a bfloat16 or float16 tensor takes them rounded by torch's own copy,
+        // as the general path's .to(dtype) rounds them
+        const bool rounded = self.scalar_type() != at::kFloat;
+        at::Tensor values = rounded ? at::empty(self.sizes(), self.options().dtype(at::kFloat)) : self;
+        failed = fill.normal(values.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
                              static_cast<float>(fill.x0), static_cast<float>(fill.x1), threads);
+        if (failed == 0 && rounded) {
+          at::AutoDispatchBelowADInplaceOrView below_autograd;  // the op on self is recorded already
+          self.copy_(values);
+        }
       } else {
         failed = fill.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
                            fill.first, static_cast<float>(fill.x0), static_cast<float>(fill.x1),
@@ -550,21 +533,21 @@ bool include(bool on) {
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module
-// (short_draws: its lane_counter, and the codes NORMAL, INTEGERS and BERNOULLI_BITS its fills
-// name), the
-// function returning Dynamo's frame hook, torch.Tensor, the addresses of compile_rng's C
-// functions by name (cpu_kernel.kernel_addresses), and the watched codes.
+// (short_draws: its lane_counter, the code NORMAL and the word kernels' codes and C names
+// WORD_KERNELS its fills name), the function returning Dynamo's frame hook, torch.Tensor,
+// the addresses of compile_rng's C functions by name (cpu_kernel.kernel_addresses), and the
+// watched codes.
 void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
               pybind11::object tensor_type, const std::unordered_map<std::string, uintptr_t>& addresses,
               const std::vector<uintptr_t>& watched) {
   // read everything that can fail before the lane changes
   const int64_t normal_code = counters.attr("NORMAL").cast<int64_t>();
-  const int64_t integers_code = counters.attr("INTEGERS").cast<int64_t>();
-  const int64_t bernoulli_bits_code = counters.attr("BERNOULLI_BITS").cast<int64_t>();
+  std::unordered_map<int64_t, WordKernel> words;
+  for (const auto& [code, name] : counters.attr("WORD_KERNELS").cast<std::unordered_map<int64_t, std::string>>()) {
+    words[code] = reinterpret_cast<WordKernel>(addresses.at(name));
+  }
   const auto fast = reinterpret_cast<FastF32>(addresses.at("cr_fast_f32"));
   const auto normal = reinterpret_cast<NormalF32>(addresses.at("cr_normal_f32"));
-  const auto integers = reinterpret_cast<Integers>(addresses.at("cr_integers"));
-  const auto bernoulli_bits = reinterpret_cast<BernoulliBits>(addresses.at("cr_bernoulli_bits"));
   lane.watched = std::unordered_set<uintptr_t>(watched.begin(), watched.end());
   Py_XDECREF(lane.handler);
   Py_XDECREF(lane.counters);
@@ -576,11 +559,8 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.tensor_type = tensor_type.release().ptr();
   lane.fast = fast;
   lane.normal = normal;
-  lane.integers = integers;
   lane.normal_code = normal_code;
-  lane.integers_code = integers_code;
-  lane.bernoulli_bits = bernoulli_bits;
-  lane.bernoulli_bits_code = bernoulli_bits_code;
+  lane.words = std::move(words);
 }
 
 // Remove every kernel serve() registered, and the lane's references.
@@ -592,9 +572,8 @@ void clear() {
   Py_CLEAR(lane.tensor_type);
   lane.fast = nullptr;
   lane.normal = nullptr;
-  lane.integers = nullptr;
-  lane.bernoulli_bits = nullptr;
-  lane.normal_code = lane.integers_code = lane.bernoulli_bits_code = -1;
+  lane.normal_code = -1;
+  lane.words.clear();
   lane.watched.clear();
 }
 

@@ -9,8 +9,8 @@
  * - cr_fast_f32: float32 uniform/bernoulli/dropout of a contiguous stream, final values;
  * - cr_normal_f32: float32 normals of any layout, final values.
  * - cr_normal_f32_at: float32 normals at explicit counters.
- * - cr_integers, cr_bernoulli_bits: integers and any float dtype's bernoulli of a
- *   contiguous stream, one word per element.
+ * - cr_integers, cr_bernoulli_bits, cr_unit_uniform_bits: integers, any float dtype's
+ *   bernoulli and rand of a contiguous stream, one word per element.
  *
  * Built at first use by compile_rng/cpu_kernel.py, once per instruction set, with
  * -ffp-contract=off and without -ffast-math, so float results do not depend on
@@ -184,21 +184,49 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
  * elem_bytes wide:
  * - integers in [low, low + span), span <= 2**32: low + W mod span (canonical stream v1,
  *   section 5) as two's complement (the caller checked that every value fits the dtype);
- * - bernoulli: `one` (a float dtype's 1.0, as bits) where W < threshold, else 0 (its 0.0). */
+ * - bernoulli: `one` (a float dtype's 1.0, as bits) where W < threshold, else 0 (its 0.0);
+ * - unit uniform: (W >> (32 - bits)) * 2**-bits, rand's [0, 1) in a float dtype of `bits`
+ *   bits (section 5's uniform with low 0 and high 1: exact in the dtype), as its bits. */
+enum { MAP_INTEGERS, MAP_BERNOULLI, MAP_UNIT_UNIFORM };
+
 typedef struct {
     void *out;
-    int elem_bytes, bernoulli;
+    int elem_bytes, map;
     uint64_t seed, base;
-    uint64_t a, b;  /* integers: low, span; bernoulli: one, threshold */
+    uint64_t a, b;  /* integers: low, span; bernoulli: one, threshold; unit uniform: bits, - */
 } word_values_t;
+
+/* k * 2**-bits (k < 2**bits: exact) as the bits of the float format of `width` bytes and
+ * `bits` bits: bfloat16 (2, 8), float16 (2, 11), float32 (4, 24), float64 (8, 32). */
+static inline uint64_t unit_float_bits(uint64_t k, int width, int bits) {
+    if (width == 8) {
+        double d = (double)k / 4294967296.0;
+        uint64_t x;
+        __builtin_memcpy(&x, &d, sizeof x);
+        return x;
+    }
+    float f = (float)k / (float)(1u << bits);
+    uint32_t x;
+    __builtin_memcpy(&x, &f, sizeof x);
+    if (width == 4) return x;
+    if (bits == 8) return x >> 16;  /* bfloat16: float32's top half, exact here */
+    /* float16: exact and normal here (k >= 1 gives at least 2**-11 > 2**-14): rebias */
+    return k == 0 ? 0 : (((x >> 23) - 112) << 10) | ((x >> 13) & 0x3FF);
+}
 
 static void word_values_range(const void *ctx, int64_t begin, int64_t end) {
     const word_values_t *j = (const word_values_t *)ctx;
     block_cache_t cache = {~(uint64_t)0, {0}};
     for (int64_t i = begin; i < end; i++) {
         uint64_t n = j->base + (uint64_t)i;
-        uint64_t w = block_words(&cache, j->seed, 0, n)[n & 3];
-        uint64_t v = j->bernoulli ? (w < j->b ? j->a : 0) : j->a + w % j->b;  /* mod 2**64 */
+        uint64_t w = block_words(&cache, j->seed, 0, n)[n & 3], v;
+        if (j->map == MAP_INTEGERS) {
+            v = j->a + w % j->b;  /* mod 2**64 */
+        } else if (j->map == MAP_BERNOULLI) {
+            v = w < j->b ? j->a : 0;
+        } else {
+            v = unit_float_bits(w >> (32 - j->a), j->elem_bytes, (int)j->a);
+        }
         switch (j->elem_bytes) {
             case 8: ((uint64_t *)j->out)[i] = v; break;
             case 4: ((uint32_t *)j->out)[i] = (uint32_t)v; break;
@@ -219,7 +247,7 @@ static int word_values(word_values_t *ctx, int64_t numel, int nthreads) {
 int cr_integers(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t low,
                 uint64_t span, int nthreads) {
     if (span == 0 || span > (1ULL << 32)) return -1;
-    word_values_t ctx = {out, elem_bytes, 0, seed, base, low, span};
+    word_values_t ctx = {out, elem_bytes, MAP_INTEGERS, seed, base, low, span};
     return word_values(&ctx, numel, nthreads);
 }
 
@@ -227,7 +255,19 @@ int cr_integers(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_
  * 1.0 as elem_bytes-wide bits. Returns as cr_integers. */
 int cr_bernoulli_bits(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t one,
                       uint64_t threshold, int nthreads) {
-    word_values_t ctx = {out, elem_bytes, 1, seed, base, one, threshold};
+    word_values_t ctx = {out, elem_bytes, MAP_BERNOULLI, seed, base, one, threshold};
+    return word_values(&ctx, numel, nthreads);
+}
+
+/* rand's [0, 1) in the float dtype of elem_bytes and `bits` (see unit_float_bits); `unused`
+ * keeps the other word kernels' signature. Returns as cr_integers (-1: a format it lacks). */
+int cr_unit_uniform_bits(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t bits,
+                         uint64_t unused, int nthreads) {
+    (void)unused;
+    int known = (elem_bytes == 2 && (bits == 8 || bits == 11)) || (elem_bytes == 4 && bits == 24) ||
+                (elem_bytes == 8 && bits == 32);
+    if (!known) return -1;
+    word_values_t ctx = {out, elem_bytes, MAP_UNIT_UNIFORM, seed, base, bits, 0};
     return word_values(&ctx, numel, nthreads);
 }
 
