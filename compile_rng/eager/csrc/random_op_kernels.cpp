@@ -39,16 +39,14 @@
 // ScalarType's torch.dtype, as torch's own bindings return it).
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ThreadLocalPythonObjects.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -58,7 +56,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
