@@ -39,7 +39,7 @@ def _fills(x: torch.Tensor) -> list[torch.Tensor]:
     integer draws of its shape: every integer width, a span of 2**32, ``randint``'s forms
     (a float ``randint_like`` is drawn by the Python kernel, through torch's kernel), and
     bernoulli, dropout and rand in the other float dtypes (a bfloat16 model's masks), normals
-    in bfloat16 and float16."""
+    in bfloat16 and float16, exponentials."""
     ints = [torch.zeros(x.shape, dtype=dtype) for dtype in (torch.int64, torch.int16, torch.uint8, torch.int8)]
     return [
         x.to(torch.bfloat16).bernoulli_(0.3), x.to(torch.float16).bernoulli_(0.0), x.double().bernoulli_(1.0),
@@ -47,7 +47,8 @@ def _fills(x: torch.Tensor) -> list[torch.Tensor]:
         F.dropout(x.double(), 0.1), x.to(torch.bfloat16).normal_(), x.to(torch.float16).normal_(2, 0.5),
         torch.randn_like(x.to(torch.bfloat16)), torch.randn(x.shape, dtype=torch.float16),
         torch.rand_like(x.to(torch.bfloat16)), x.to(torch.float16).uniform_(), torch.rand(x.shape, dtype=torch.float64),
-        x.double().uniform_(0, 1),
+        x.double().uniform_(0, 1), x.clone().exponential_(), x.clone().exponential_(2.5),
+        x.to(torch.bfloat16).exponential_(0.5), x.double().exponential_(),
         torch.randint(0, 9, x.shape), torch.randint(3, x.shape, dtype=torch.int32), torch.randint_like(x, 5),
         torch.randint_like(x, -4, 4, dtype=torch.int64), ints[0].random_(-5, 2**32 - 5),
         ints[1].random_(-100, 100), ints[2].random_(0, 256), ints[3].random_(-128, 128),
@@ -260,7 +261,8 @@ def test_the_c_lane_draws_what_the_general_path_draws(name, monkeypatch):
 
 def test_the_c_lane_serves_integers_and_other_float_dtypes(monkeypatch):
     """Each integer draw of :func:`_fills` but the float ``randint_like``, each bernoulli,
-    dropout and rand in bfloat16, float16 and float64, and each normal in bfloat16 and float16,
+    dropout and rand in bfloat16, float16 and float64, each normal in bfloat16 and float16, and
+    each exponential,
     takes the lane (the comparisons above would pass vacuously were they all left to the
     Python kernel)."""
     served, lane = [], short_draws.lane_counter
@@ -280,6 +282,8 @@ def test_the_c_lane_serves_integers_and_other_float_dtypes(monkeypatch):
     assert [served.count((normal, d)) for d in (torch.bfloat16, torch.float16)] == [2, 2]
     uniform = torch.ops.aten.uniform_.default
     assert [served.count((uniform, d)) for d in (torch.bfloat16, torch.float16, torch.float64)] == [1, 1, 2]
+    exponential = torch.ops.aten.exponential_.default
+    assert [served.count((exponential, d)) for d in (torch.float32, torch.bfloat16, torch.float64)] == [2, 1, 1]
 
 
 def _lane_declines() -> list[torch.Tensor]:
@@ -329,6 +333,7 @@ def test_generator_and_refused_arguments_take_the_general_path(monkeypatch):
             for bad in (lambda t: t.bernoulli_(1.5), lambda t: t.bernoulli_(float("nan")),
                         lambda t: t.uniform_(2.0, 1.0), lambda t: t.uniform_(-3e38, 3e38),
                         lambda t: t.normal_(0.0, -1.0), lambda t: t.normal_(0.0, float("nan")),
+                        lambda t: t.exponential_(-1.0), lambda t: t.exponential_(0.0),
                         lambda t: torch.rand(-1, 4), lambda t: torch.randint(5, 3, (4,)),
                         lambda t: t.long().random_(3, 3), lambda t: t.to(torch.int8).random_(0, 300),
                         lambda t: torch.randint(0, 9, (-1,))):
@@ -377,11 +382,12 @@ SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
 
 
 def _draws(rows: int) -> list[torch.Tensor]:
-    """Dropout's bernoulli_, rand, randn, randint, a bfloat16 bernoulli_, randn and rand on
-    ``rows`` rows, each at its rows of the step's global batch."""
+    """Dropout's bernoulli_, rand, randn, randint, a bfloat16 bernoulli_, randn and rand, and
+    exponential_ on ``rows`` rows, each at its rows of the step's global batch."""
     return [torch.empty(rows, *ROW).bernoulli_(0.3), torch.rand(rows, *ROW), torch.randn(rows, *ROW),
             torch.randint(-3, 2**32 - 3, (rows, *ROW)), torch.empty(rows, *ROW, dtype=torch.bfloat16).bernoulli_(0.6),
-            torch.randn(rows, *ROW, dtype=torch.bfloat16), torch.rand(rows, *ROW, dtype=torch.bfloat16)]
+            torch.randn(rows, *ROW, dtype=torch.bfloat16), torch.rand(rows, *ROW, dtype=torch.bfloat16),
+            torch.empty(rows, *ROW).exponential_(2.0)]
 
 
 def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
@@ -397,15 +403,18 @@ def _expected(first_row: int, rows: int) -> list[torch.Tensor]:
     keep16 = torch.tensor([float(ref.keep_bernoulli(SEED, 4 * advance + n, 0.6)) for n in counters])
     normal16 = torch.tensor([ref.normal_std(SEED, 5 * advance + n) for n in counters], dtype=torch.float64)
     uniform16 = torch.tensor([ref.uniform01(SEED, 6 * advance + n, "bfloat16") for n in counters])
+    exponential = torch.tensor([ref.exponential(SEED, 7 * advance + n, 2.0) for n in counters], dtype=torch.float64)
     return [keep, uniform, normal, integers, keep16.to(torch.bfloat16).view(shape), normal16.view(shape),
-            uniform16.to(torch.bfloat16).view(shape)]
+            uniform16.to(torch.bfloat16).view(shape), exponential.view(shape)]
 
 
 def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
-    keep, uniform, normal, integers, keep16, normal16, uniform16 = _expected(first_row, drawn[0].shape[0])
+    keep, uniform, normal, integers, keep16, normal16, uniform16, exponential = _expected(first_row, drawn[0].shape[0])
     assert torch.equal(drawn[0], keep) and torch.equal(drawn[1], uniform) and torch.equal(drawn[3], integers)
     assert drawn[4].dtype == torch.bfloat16 and torch.equal(drawn[4], keep16)
     assert drawn[6].dtype == torch.bfloat16 and torch.equal(drawn[6], uniform16)  # exact in bfloat16
+    # float32 arithmetic against float64 math: (W + 1) rounded to float32, then log's few ulp
+    assert torch.allclose(drawn[7].double(), exponential, rtol=2e-6, atol=1e-6)
     # a bfloat16 normal: the float32 one rounded, within half of bfloat16's ulp of the math
     assert drawn[5].dtype == torch.bfloat16 and torch.allclose(drawn[5].double(), normal16, rtol=2**-8, atol=2**-8)
     # the float32 Box-Muller kernel against float64 math: its conformance bound, a few ulp
@@ -418,7 +427,7 @@ def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch)
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
-    assert len(served) == 7
+    assert len(served) == 8
     _assert_reference(drawn, first_row=4)
 
 
@@ -447,7 +456,7 @@ def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
     with compile_rng.step(GLOBAL):
         whole = _draws(GLOBAL)
     for rank, (drawn, served, position) in enumerate(gathered):
-        assert served == 7
+        assert served == 8
         assert position == compile_rng.get_state()
         _assert_reference(drawn, first_row=4 * rank)
         assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))

@@ -17,8 +17,8 @@ torch build and source, and cached beside the C kernels (``$COMPILE_RNG_CACHE``,
 
 Inside the eager stream the common fills - ``bernoulli_(p)``, ``uniform_``, ``normal_`` on a
 plain dense float32 CPU tensor, ``bernoulli_(p)``, rand's ``uniform_(0, 1)`` and (in half
-precision) ``normal_`` in the other float dtypes, ``random_(low, high)`` on a dense integer
-one - take a lane
+precision) ``normal_`` in the other float dtypes, ``exponential_``, ``random_(low, high)`` on
+a dense integer one - take a lane
 in C++ in front of the Python kernel: their counters from one Python call
 (:func:`compile_rng.eager.short_draws.lane_counter`, the short path's own), then
 compile_rng's CPU kernel into the tensor with the GIL released; ``rand``, ``randn``,

@@ -18,7 +18,8 @@ serves ``random_(low, high)`` on a dense integer tensor, and so ``randint`` and
 ``randint_like`` (torch's kernels fill an empty tensor with it) where the range spans at
 most 2**32 (one word per value), and in bfloat16, float16 and float64 the fills whose values
 need no arithmetic of the dtype: ``bernoulli_(p)`` (0 and 1), rand's ``uniform_(0, 1)``
-(exact in the dtype) and, in half precision, ``normal_`` (the float32 values rounded).
+(exact in the dtype) and, in half precision, ``normal_`` (the float32 values rounded); and
+``exponential_`` in every float dtype (torch's own ``log`` and ``mul``, run by the lane).
 
 Anything else is not served and takes the general path *before* a counter is reserved:
 another op, dtype, device or layout; a subclass (a Parameter, a fake or functional
@@ -55,19 +56,21 @@ NOT_SERVED = object()
 #: A draw's kernel and its arguments, ``(kernel, x0, x1, x2, n)``: ``FAST_UNIFORM``
 #: ``(low, float32 high - low, high, 0)``, ``FAST_BERNOULLI`` ``(0, 1, 1, threshold)``,
 #: :data:`BERNOULLI_BITS` ``(0, threshold, 0, the dtype's 1.0 as bits)``, :data:`UNIT_UNIFORM`
-#: ``(0, 0, 0, the dtype's uniform bits)``, :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
+#: ``(0, 0, 0, the dtype's uniform bits)``, :data:`EXPONENTIAL` ``(-1 / lambd, 0, 0, 0)``,
+#: :data:`NORMAL` ``(mean, std, 0, 0)``, :data:`INTEGERS` ``(0, high - low, 0, low mod
 #: 2**64)`` (a span of at most 2**32 is an exact float) - plain numbers, which the C++ lane
 #: reads too
 Fill = tuple[int, float, float, float, int]
 
-#: the codes of the float32 normal kernel and of the word kernels in a :data:`Fill`
+#: the codes of the float32 normal kernel, of the exponential (the lane's ``log`` and ``mul``
+#: of ``cr_open_unit_bits``' ``(0, 1]``) and of the word kernels in a :data:`Fill`
 #: (``FAST_*`` are ``fast_f32``'s): integers, bernoulli in another float dtype, rand's
 #: ``[0, 1)`` in another float dtype
-NORMAL, INTEGERS, BERNOULLI_BITS, UNIT_UNIFORM = 3, 4, 5, 6
+NORMAL, EXPONENTIAL, INTEGERS, BERNOULLI_BITS, UNIT_UNIFORM = 3, 7, 4, 5, 6
 
 #: the word kernels' C functions (``csrc/philox.c``: one word per element, any width), which
 #: take a :data:`Fill`'s ``n`` and ``x1`` as their numbers ``a`` and ``b``; the C++ lane reads
-#: this and :data:`NORMAL` from this module
+#: this, :data:`NORMAL` and :data:`EXPONENTIAL` from this module
 WORD_KERNELS = {INTEGERS: "cr_integers", BERNOULLI_BITS: "cr_bernoulli_bits", UNIT_UNIFORM: "cr_unit_uniform_bits"}
 
 
@@ -98,10 +101,11 @@ def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
 
 
 #: the ops the C++ lane serves (:mod:`compile_rng.eager.native_kernels`), by the index its
-#: kernels are given: the in-place fills of a dense float32 tensor (dropout's ``bernoulli_``;
-#: ``rand``, ``randn`` and their ``*_like`` fill ``uniform_``/``normal_``), and ``random_``
-#: with bounds on a dense integer tensor (``randint``'s fill)
-LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, getattr(aten.random_, "from"))
+#: kernels are given: the in-place fills of a dense float tensor (dropout's ``bernoulli_``;
+#: ``rand``, ``randn`` and their ``*_like`` fill ``uniform_``/``normal_``; ``exponential_``),
+#: and ``random_`` with bounds on a dense integer tensor (``randint``'s fill)
+LANE_OPS = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, getattr(aten.random_, "from"),
+            aten.exponential_.default)
 
 
 #: the factories whose torch kernel fills an empty tensor with a lane op (``uniform_``,
@@ -228,6 +232,14 @@ def _bernoulli(p: Any, dtype: torch.dtype | None = None) -> Fill | None:
     return BERNOULLI_BITS, 0.0, float(threshold), 0.0, one
 
 
+@functools.lru_cache(maxsize=256)
+def _exponential(lambd: Any, dtype: torch.dtype | None = None) -> Fill | None:
+    # computed as the general path computes it in every float dtype (the C++ lane runs its log)
+    if not (_number(lambd) and lambd > 0):  # torch refuses lambd <= 0 (and NaN)
+        return None
+    return EXPONENTIAL, -1.0 / float(lambd), 0.0, 0.0, 0
+
+
 #: the float dtypes of :func:`_bernoulli`'s tensors: float32 (None), and those it writes
 #: 1.0 in as bits (a bfloat16 dropout's mask), with the integer dtype of their width
 _SAME_WIDTH_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
@@ -281,4 +293,4 @@ _CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
 
 #: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments, and the tensor's dtype where
 #: the lane passes it (None: not served)
-_LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal, _integers)
+_LANE_FILLS: tuple[Callable[..., Fill | None], ...] = (_bernoulli, _uniform, _normal, _integers, _exponential)

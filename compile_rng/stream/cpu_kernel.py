@@ -307,10 +307,12 @@ def integers(seed: int, base: int, low: int, high: int, out: torch.Tensor) -> to
 def kernel_addresses() -> dict[str, int]:
     """The addresses of the C functions C++ callers take (:func:`fast_f32`'s, :func:`normal_f32`'s,
     and the word kernels': :func:`integers`' ``cr_integers``, ``cr_bernoulli_bits``,
-    ``cr_unit_uniform_bits``, see ``csrc/philox.c``) in this process's build, by name."""
+    ``cr_unit_uniform_bits``, ``cr_open_unit_bits``, see ``csrc/philox.c``) in this process's
+    build, by name."""
     lib = _library()
-    return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-            for name in ("cr_fast_f32", "cr_normal_f32", "cr_integers", "cr_bernoulli_bits", "cr_unit_uniform_bits")}
+    names = ("cr_fast_f32", "cr_normal_f32", "cr_integers", "cr_bernoulli_bits", "cr_unit_uniform_bits",
+             "cr_open_unit_bits")
+    return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names}
 
 
 def philox_words(

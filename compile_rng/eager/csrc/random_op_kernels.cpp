@@ -99,7 +99,7 @@ PyObject* drawing_here() {
 // compile_rng's CPU kernels (compile_rng/stream/csrc/philox.c): cr_fast_f32, float32
 // uniform (op 0) and bernoulli (op 1) of a contiguous stream, cr_normal_f32, and the word
 // kernels (one word per element, any width: cr_integers, cr_bernoulli_bits,
-// cr_unit_uniform_bits), which take two numbers a and b
+// cr_unit_uniform_bits, cr_open_unit_bits), which take two numbers a and b
 using FastF32 = int (*)(int, float*, uint8_t*, const float*, int64_t, uint64_t, uint64_t, float, float, float,
                         uint64_t, float, int);
 using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_t*, const int64_t*, float, float, int);
@@ -107,7 +107,7 @@ using NormalF32 = int (*)(float*, int64_t, uint64_t, uint64_t, int, const int64_
 using WordKernel = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, uint64_t, int);
 // Which C function a fill calls; the lane maps short_draws' codes onto it (set_lane reads
 // them from the module), so no number is shared by hand.
-enum class Kernel { kFast, kNormal, kWords };
+enum class Kernel { kFast, kNormal, kExponential, kWords };
 
 // What the lane calls, from set_lane (owned references; the module keeps them until clear()).
 struct Lane {
@@ -119,7 +119,8 @@ struct Lane {
   PyObject* tensor_type = nullptr;  // torch.Tensor: a subclass's tensor (a Parameter) is not served
   FastF32 fast = nullptr;
   NormalF32 normal = nullptr;
-  int64_t normal_code = -1;  // short_draws.NORMAL
+  int64_t normal_code = -1, exponential_code = -1;  // short_draws.NORMAL and EXPONENTIAL
+  WordKernel open_unit = nullptr;  // the exponential's (0, 1]
   std::unordered_map<int64_t, WordKernel> words;  // short_draws.WORD_KERNELS' codes
   // the code objects whose frames change a draw (draw_counters.watched_codes): with one on
   // the stack the Python kernel serves it
@@ -278,14 +279,15 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   if (served) {
     const int64_t code = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0));
     const auto word = lane.words.find(code);
-    const Kernel kind = code == lane.normal_code       ? Kernel::kNormal
-                        : word != lane.words.end() ? Kernel::kWords
-                                                   : Kernel::kFast;
+    const Kernel kind = code == lane.normal_code        ? Kernel::kNormal
+                        : code == lane.exponential_code ? Kernel::kExponential
+                        : word != lane.words.end()      ? Kernel::kWords
+                                                        : Kernel::kFast;
     fill = Fill{code, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 1)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal,
-                kind == Kernel::kWords ? word->second : nullptr};
+                kind == Kernel::kWords ? word->second : lane.open_unit};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -407,6 +409,21 @@ class RandomOpKernel final : public c10::OperatorKernel {
     }
   }
 
+  // The tensor a fill computes in: self where it has the compute dtype, else a fresh one
+  // (see rounded_into).
+  static at::Tensor computed_in(const at::Tensor& self, at::ScalarType compute) {
+    return self.scalar_type() == compute ? self : at::empty(self.sizes(), self.options().dtype(compute));
+  }
+
+  // computed_in's values into self, rounded by torch's own copy where they are another
+  // tensor, as the general path's .to(dtype) rounds them.
+  static void rounded_into(at::Tensor& self, const at::Tensor& values) {
+    if (!values.is_same(self)) {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // the op on self is recorded already
+      self.copy_(values);
+    }
+  }
+
   // the draw's values into self (the GIL released), then self as the result
   static void fill_on_lane(torch::jit::Stack* stack, size_t arity, const Fill& fill) {
     at::Tensor self = (*stack)[stack->size() - arity].toTensor();
@@ -418,15 +435,22 @@ class RandomOpKernel final : public c10::OperatorKernel {
         failed = fill.word(self.data_ptr(), static_cast<int>(self.element_size()), numel, fill.seed, fill.first,
                            fill.n, static_cast<uint64_t>(fill.x1), threads);
       } else if (fill.kind == Kernel::kNormal) {
-        // float32 values; a bfloat16 or float16 tensor takes them rounded by torch's own copy,
-        // as the general path's .to(dtype) rounds them
-        const bool rounded = self.scalar_type() != at::kFloat;
-        at::Tensor values = rounded ? at::empty(self.sizes(), self.options().dtype(at::kFloat)) : self;
+        at::Tensor values = computed_in(self, at::kFloat);
         failed = fill.normal(values.data_ptr<float>(), numel, fill.seed, fill.first, 1, &numel, &one,
                              static_cast<float>(fill.x0), static_cast<float>(fill.x1), threads);
-        if (failed == 0 && rounded) {
+        if (failed == 0) {
+          rounded_into(self, values);
+        }
+      } else if (fill.kind == Kernel::kExponential) {
+        // log(u) * x0 (x0 = -1 / lambd) by torch's own log and mul, as the general path
+        // computes it, in its compute dtype (float64 for float64, else float32)
+        at::Tensor values = computed_in(self, self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+        failed = fill.word(values.data_ptr(), static_cast<int>(values.element_size()), numel, fill.seed, fill.first,
+                           0, 0, threads);
+        if (failed == 0) {
           at::AutoDispatchBelowADInplaceOrView below_autograd;  // the op on self is recorded already
-          self.copy_(values);
+          values.log_().mul_(fill.x0);
+          rounded_into(self, values);
         }
       } else {
         failed = fill.fast(static_cast<int>(fill.kernel), self.data_ptr<float>(), nullptr, nullptr, numel, fill.seed,
@@ -530,8 +554,8 @@ bool include(bool on) {
 }
 
 // Give the lane what it calls: the eager stream's handler, the counters' module
-// (short_draws: its lane_counter, the code NORMAL and the word kernels' codes and C names
-// WORD_KERNELS its fills name), the function returning Dynamo's frame hook, torch.Tensor,
+// (short_draws: its lane_counter, the codes NORMAL and EXPONENTIAL and the word kernels'
+// codes and C names WORD_KERNELS its fills name), the function returning Dynamo's frame hook, torch.Tensor,
 // the addresses of compile_rng's C functions by name (cpu_kernel.kernel_addresses), and the
 // watched codes.
 void set_lane(pybind11::object handler, pybind11::object counters, pybind11::object dynamo_hook,
@@ -539,6 +563,8 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
               const std::vector<uintptr_t>& watched) {
   // read everything that can fail before the lane changes
   const int64_t normal_code = counters.attr("NORMAL").cast<int64_t>();
+  const int64_t exponential_code = counters.attr("EXPONENTIAL").cast<int64_t>();
+  const auto open_unit = reinterpret_cast<WordKernel>(addresses.at("cr_open_unit_bits"));
   std::unordered_map<int64_t, WordKernel> words;
   for (const auto& [code, name] : counters.attr("WORD_KERNELS").cast<std::unordered_map<int64_t, std::string>>()) {
     words[code] = reinterpret_cast<WordKernel>(addresses.at(name));
@@ -557,6 +583,8 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.fast = fast;
   lane.normal = normal;
   lane.normal_code = normal_code;
+  lane.exponential_code = exponential_code;
+  lane.open_unit = open_unit;
   lane.words = std::move(words);
 }
 
@@ -569,7 +597,8 @@ void clear() {
   Py_CLEAR(lane.tensor_type);
   lane.fast = nullptr;
   lane.normal = nullptr;
-  lane.normal_code = -1;
+  lane.normal_code = lane.exponential_code = -1;
+  lane.open_unit = nullptr;
   lane.words.clear();
   lane.watched.clear();
 }

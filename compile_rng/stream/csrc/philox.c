@@ -9,8 +9,9 @@
  * - cr_fast_f32: float32 uniform/bernoulli/dropout of a contiguous stream, final values;
  * - cr_normal_f32: float32 normals of any layout, final values.
  * - cr_normal_f32_at: float32 normals at explicit counters.
- * - cr_integers, cr_bernoulli_bits, cr_unit_uniform_bits: integers, any float dtype's
- *   bernoulli and rand of a contiguous stream, one word per element.
+ * - cr_integers, cr_bernoulli_bits, cr_unit_uniform_bits, cr_open_unit_bits: integers, any
+ *   float dtype's bernoulli and rand, the exponential's (0, 1] of a contiguous stream, one
+ *   word per element.
  *
  * Built at first use by compile_rng/cpu_kernel.py, once per instruction set, with
  * -ffp-contract=off and without -ffast-math, so float results do not depend on
@@ -186,8 +187,10 @@ int cr_philox_words(int64_t *words, int64_t *lanes, int64_t numel, uint64_t seed
  *   section 5) as two's complement (the caller checked that every value fits the dtype);
  * - bernoulli: `one` (a float dtype's 1.0, as bits) where W < threshold, else 0 (its 0.0);
  * - unit uniform: (W >> (32 - bits)) * 2**-bits, rand's [0, 1) in a float dtype of `bits`
- *   bits (section 5's uniform with low 0 and high 1: exact in the dtype), as its bits. */
-enum { MAP_INTEGERS, MAP_BERNOULLI, MAP_UNIT_UNIFORM };
+ *   bits (section 5's uniform with low 0 and high 1: exact in the dtype), as its bits;
+ * - open unit: float32 or float64 (W + 1) * 2**-32 in (0, 1] (W + 1 rounded to nearest
+ *   in float32), the exponential's argument of log. */
+enum { MAP_INTEGERS, MAP_BERNOULLI, MAP_UNIT_UNIFORM, MAP_OPEN_UNIT };
 
 typedef struct {
     void *out;
@@ -214,6 +217,19 @@ static inline uint64_t unit_float_bits(uint64_t k, int width, int bits) {
     return k == 0 ? 0 : (((x >> 23) - 112) << 10) | ((x >> 13) & 0x3FF);
 }
 
+static inline uint64_t open_unit_bits(uint64_t w, int width) {
+    if (width == 8) {
+        double d = (double)(int64_t)(w + 1) * (1.0 / 4294967296.0);  /* exact */
+        uint64_t x;
+        __builtin_memcpy(&x, &d, sizeof x);
+        return x;
+    }
+    float f = (float)(int64_t)(w + 1) * (1.0f / 4294967296.0f);  /* rounded once, then exact */
+    uint32_t x;
+    __builtin_memcpy(&x, &f, sizeof x);
+    return x;
+}
+
 static void word_values_range(const void *ctx, int64_t begin, int64_t end) {
     const word_values_t *j = (const word_values_t *)ctx;
     block_cache_t cache = {~(uint64_t)0, {0}};
@@ -224,8 +240,10 @@ static void word_values_range(const void *ctx, int64_t begin, int64_t end) {
             v = j->a + w % j->b;  /* mod 2**64 */
         } else if (j->map == MAP_BERNOULLI) {
             v = w < j->b ? j->a : 0;
-        } else {
+        } else if (j->map == MAP_UNIT_UNIFORM) {
             v = unit_float_bits(w >> (32 - j->a), j->elem_bytes, (int)j->a);
+        } else {
+            v = open_unit_bits(w, j->elem_bytes);
         }
         switch (j->elem_bytes) {
             case 8: ((uint64_t *)j->out)[i] = v; break;
@@ -268,6 +286,16 @@ int cr_unit_uniform_bits(void *out, int elem_bytes, int64_t numel, uint64_t seed
                 (elem_bytes == 8 && bits == 32);
     if (!known) return -1;
     word_values_t ctx = {out, elem_bytes, MAP_UNIT_UNIFORM, seed, base, bits, 0};
+    return word_values(&ctx, numel, nthreads);
+}
+
+/* the exponential's (0, 1] in float32 (elem_bytes 4) or float64 (8), see open_unit_bits; `a`
+ * and `b` unused. Returns as cr_integers. */
+int cr_open_unit_bits(void *out, int elem_bytes, int64_t numel, uint64_t seed, uint64_t base, uint64_t a,
+                      uint64_t b, int nthreads) {
+    (void)a, (void)b;
+    if (elem_bytes != 4 && elem_bytes != 8) return -1;
+    word_values_t ctx = {out, elem_bytes, MAP_OPEN_UNIT, seed, base, 0, 0};
     return word_values(&ctx, numel, nthreads);
 }
 
