@@ -44,11 +44,13 @@ two global module forward hooks (torch's public             ``step(names=...)`` 
 with ``names=``; outside one they return at once
 a kernel in C++ for each aten random op at torch's        a step's random ops draw from the stream,
 ``Fake`` dispatch key, which only a stream's thread        and no other op pays a Python call;
-state includes (a fallthrough there for every other op,    outside streams no dispatch reaches
+state includes, a fallthrough there for every other op,    outside streams no dispatch reaches
 and compile_rng's Python kernels at a key no dispatch      compile_rng: every random op runs
-reaches, both kept for the process); at the first step     torch's kernels as stock torch
-or eager stream (again after ``uninstall()``). Without a   (:mod:`~compile_rng.eager.random_kernels`,
-C++ compiler: Python kernels at the backend keys           :mod:`~compile_rng.eager.native_kernels`)
+reaches: at the first step or eager stream, kept for     torch's kernels as stock torch
+the process (``uninstall()`` drops only the C++ lane's     (:mod:`~compile_rng.eager.random_kernels`,
+handler, which the next stream sets again). Without a      :mod:`~compile_rng.eager.native_kernels`)
+C++ compiler (or on torch 2.11, 2.12): kernels at the
+backend keys, which ``uninstall()`` removes
 every higher-order op (and those made later) passes that   a HOP reads the thread's included keys
 key by, as it passes BackendSelect (for the process)       and raises at one it has no kernel for
 ==========================================================  ========================================
@@ -96,8 +98,9 @@ from compile_rng.stream import cpu_kernel, state
 _stock: dict[str, Any] = {}  # what install() replaced, for uninstall()
 _module_hooks: list = []  # the handles of the module hooks of named steps, for uninstall()
 _random_op_kernels: list = []  # the torch.library.Library of the Python kernels at the backend keys, while there
-_native: list = []  # the C++ kernels' module while they are registered
+_native: list = []  # the C++ kernels' module while its kernels are registered and its lane set
 _python_kernels: list = []  # (Library, serve()'s entries) of the Python kernels the C++ ones call (kept for the process)
+_kept_native: list = []  # the C++ module whose kernels sit at its own key, kept across uninstall()
 _triton_ops: list[str] = []  # the op added to Inductor's op handlers while it is
 
 #: The torch releases the changes below were checked on, as ``[first, past the last)``
@@ -379,11 +382,12 @@ def _register_random_kernels(kernels: ModuleType) -> None:
     if native is None or not core_internals.below_python_key(native.LIVE_KEY):
         _register_at_backend_keys(kernels, native)
         return
-    # The Python kernels sit at a key no dispatch reaches, holding nothing of torch's: they
-    # are registered once for the process and kept (~4 ms that a step after uninstall()
-    # would pay), as are the C++ module's fallthrough at its key and the higher-order ops'
-    # passing it. What a dispatch can reach - the C++ kernels, and the key in a stream's
-    # thread state - is made here and taken away by uninstall().
+    # The Python kernels sit at a key no dispatch reaches, holding nothing of torch's, and
+    # the C++ kernels at a key only a stream's thread state includes: both are registered
+    # once for the process and kept (~4 ms and ~0.7 ms that a step after uninstall() would
+    # pay), as are the C++ module's fallthrough at its key and the higher-order ops' passing
+    # it. What a dispatch can reach - the key in a stream's thread state, and the lane's
+    # handler - is made here and taken away by uninstall().
     if not _python_kernels:
         served = [op for op in core_internals.random_op_overloads() if not core_internals.decomposes(op)]
         library = torch.library.Library("aten", "IMPL")
@@ -391,16 +395,21 @@ def _register_random_kernels(kernels: ModuleType) -> None:
             library.impl(op, kernels.kernel(op, None), core_internals.PYTHON_KERNEL_KEY, with_keyset=True)
         _python_kernels.append((library, _native_entries([(op, []) for op in served])))
         _higher_order_ops_pass(core_internals.numbered_dispatch_key(native.LIVE_KEY))
-    try:
-        _serve_natively(native, _python_kernels[0][1])
-    except RuntimeError as error:
-        # another fallback at the key (a fake-tensor backend's: the key is torch's own,
-        # unused in 2.11-2.15): the backend keys serve instead, nothing drawn wrongly
-        warnings.warn(f"compile_rng's random-op kernels cannot sit at torch's Fake dispatch key ({error}); "
-                      "they sit at the backend keys instead (+0.1-0.4 us per random op outside streams)",
-                      RuntimeWarning, stacklevel=2)
-        _register_at_backend_keys(kernels, native)
-        return
+    if native in _kept_native:
+        _set_lane(native)
+        _native.append(native)
+    else:
+        try:
+            _serve_natively(native, _python_kernels[0][1])
+        except RuntimeError as error:
+            # another fallback at the key (a fake-tensor backend's: the key is torch's own,
+            # unused in 2.11-2.15): the backend keys serve instead, nothing drawn wrongly
+            warnings.warn(f"compile_rng's random-op kernels cannot sit at torch's Fake dispatch key ({error}); "
+                          "they sit at the backend keys instead (+0.1-0.4 us per random op outside streams)",
+                          RuntimeWarning, stacklevel=2)
+            _register_at_backend_keys(kernels, native)
+            return
+        _kept_native.append(native)
     # kept after uninstall(): a guard open across it takes its key out on exit
     kernels.set_key_switch(native.include)
 
@@ -410,6 +419,7 @@ def _register_at_backend_keys(kernels: ModuleType, native: ModuleType | None) ->
     # torch has one, over torch's kernel read now (a backend registered since the last
     # registration is served) - the C++ kernel there calling the Python one by an unreached
     # key, or without it the Python kernel itself.
+    _release_kept_kernels()  # the stream's key would reach them too
     stocks: dict[Any, dict[str, Any]] = {}
     for op in core_internals.random_op_overloads():
         for key in core_internals.BACKEND_KEYS:
@@ -441,16 +451,26 @@ def _native_entries(ops: list[tuple[Any, list[str]]]) -> list[tuple[str, str, in
     return entries
 
 
-def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
-    # the C++ kernels and their lane, all or nothing: recorded as registered only once served
+def _set_lane(native: ModuleType) -> None:
     native.set_lane(dispatch_modes.stream_op, short_draws, dynamo_internals.frame_hook_getter(), torch.Tensor,
                     cpu_kernel.kernel_addresses(), sorted(draw_counters.watched_codes()))
+
+
+def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
+    # the C++ kernels and their lane, all or nothing: recorded as registered only once served
+    _set_lane(native)
     try:
         native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
     except BaseException:
         native.clear()
         raise
     _native.append(native)
+
+
+def _release_kept_kernels() -> None:
+    for native in _kept_native:
+        native.clear()
+    _kept_native.clear()
 
 
 def _higher_order_ops_pass(key: Any) -> None:
@@ -466,7 +486,10 @@ def _higher_order_ops_pass(key: Any) -> None:
 
 def _unregister_random_kernels() -> None:
     for native in _native:
-        native.clear()
+        if native in _kept_native:
+            native.clear_lane()
+        else:
+            native.clear()
     _native.clear()
     for library in _random_op_kernels:
         core_internals.unregister_library(library)

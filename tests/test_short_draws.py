@@ -17,6 +17,8 @@ at a rank's rows and on real gloo ranks."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -284,6 +286,35 @@ def test_the_c_lane_serves_integers_and_other_float_dtypes(monkeypatch):
     assert [served.count((uniform, d)) for d in (torch.bfloat16, torch.float16, torch.float64)] == [1, 1, 2]
     exponential = torch.ops.aten.exponential_.default
     assert [served.count((exponential, d)) for d in (torch.float32, torch.bfloat16, torch.float64)] == [2, 1, 1]
+
+
+def _gpt2_bfloat16() -> list[torch.Tensor]:
+    """A transformers GPT-2 (nobody here wrote it) in bfloat16 with every dropout live, a
+    forward and backward in a step: its loss and every gradient."""
+    model = copy.deepcopy(_gpt2())
+    ids = torch.arange(48).remainder(100).reshape(4, 12)
+    with compile_rng.step(4):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters()]
+
+
+@functools.cache
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16,
+                                     resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, bos_token_id=99, eos_token_id=99)
+    return transformers.GPT2LMHeadModel(config).to(torch.bfloat16).train()  # both runs copy it
+
+
+def test_the_c_lane_draws_a_bfloat16_gpt2s_masks_as_the_general_path(monkeypatch):
+    """transformers' GPT-2 in bfloat16: its dropouts (bfloat16 activations, float32 where it
+    upcasts) take the lane, and the loss, every gradient, the stream position and the
+    recorded counters are the general path's, bitwise."""
+    _gpt2()  # built once, before either run's seed
+    lane, general, served = _lane_and_general(_gpt2_bfloat16, monkeypatch)
+    assert served >= 5, served  # the embeddings, and each block's attention output and MLP
+    _assert_same((*lane, []), (*general, []))
 
 
 def _lane_declines() -> list[torch.Tensor]:

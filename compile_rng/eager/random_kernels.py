@@ -24,9 +24,10 @@ are left alone: they decompose, above autograd, into the ops served here.
 The handler lives in the thread's state with the included key, which the autograd engine
 hands its device threads: a CUDA backward's recomputation (activation checkpointing) draws
 from the stream as its forward did, with a copy of the caller's context variables (the
-step's rows and names, which a device thread does not have). The kernels are registered
-at the first stream (``compile_rng.installation`` makes the change, through
-:func:`set_installer`) and stay until ``compile_rng.uninstall()``; the installer also hands
+step's rows and names, which a device thread does not have). The kernels are served
+from the first stream (``compile_rng.installation`` makes the change, through
+:func:`set_installer`) until ``compile_rng.uninstall()``, which leaves those at the
+stream's key registered, with no handler, for the next stream; the installer also hands
 over the switch of the key (:func:`set_key_switch`).
 """
 

@@ -132,9 +132,8 @@ def lane_through_torch() -> bool:
 def lane_counter(op: int, size: tuple[int, ...], *numbers: Any) -> tuple | None:
     """The C++ lane's draw of ``LANE_OPS[op]`` with its number arguments ``numbers`` on a
     tensor of ``size`` here (the tensor's dtype after its numbers unless it is float32):
-    ``(kernel, seed,
-    counter of element 0, x0, x1, x2, n)`` (a :data:`Fill`'s kernel and arguments), its
-    counters reserved, or None (nothing reserved: the call takes the Python kernel). The
+    ``(kernel, seed, counter of element 0, x0, x1, x2, n)`` (a :data:`Fill`'s kernel and
+    arguments), its counters reserved, or None (nothing reserved: the call takes the Python kernel). The
     lane has checked what it can in C++ (a dense CPU tensor, a float dtype for float numbers
     and an integer dtype for int ones, no generator, no dispatch mode, this thread's eager
     stream) and walked the stack (none of :func:`draw_counters.watched_codes` on it); here:
@@ -222,6 +221,14 @@ _NORMAL_DTYPES = (None, torch.bfloat16, torch.float16)
 
 
 @functools.lru_cache(maxsize=256)
+def _exponential(lambd: Any, dtype: torch.dtype | None = None) -> Fill | None:
+    # computed as the general path computes it in every float dtype (the C++ lane runs its log)
+    if not (_number(lambd) and lambd > 0):  # torch refuses lambd <= 0 (and NaN)
+        return None
+    return EXPONENTIAL, -1.0 / float(lambd), 0.0, 0.0, 0
+
+
+@functools.lru_cache(maxsize=256)
 def _bernoulli(p: Any, dtype: torch.dtype | None = None) -> Fill | None:
     if not (_number(p) and is_probability(p)) or dtype not in _BERNOULLI_DTYPES:
         return None
@@ -230,14 +237,6 @@ def _bernoulli(p: Any, dtype: torch.dtype | None = None) -> Fill | None:
         return FAST_BERNOULLI, 0.0, 1.0, 1.0, threshold
     one = torch.ones((), dtype=dtype).view(_SAME_WIDTH_INT[dtype]).item()  # positive: 1.0's sign bit is 0
     return BERNOULLI_BITS, 0.0, float(threshold), 0.0, one
-
-
-@functools.lru_cache(maxsize=256)
-def _exponential(lambd: Any, dtype: torch.dtype | None = None) -> Fill | None:
-    # computed as the general path computes it in every float dtype (the C++ lane runs its log)
-    if not (_number(lambd) and lambd > 0):  # torch refuses lambd <= 0 (and NaN)
-        return None
-    return EXPONENTIAL, -1.0 / float(lambd), 0.0, 0.0, 0
 
 
 #: the float dtypes of :func:`_bernoulli`'s tensors: float32 (None), and those it writes

@@ -109,7 +109,7 @@ using WordKernel = int (*)(void*, int, int64_t, uint64_t, uint64_t, uint64_t, ui
 // them from the module), so no number is shared by hand.
 enum class Kernel { kFast, kNormal, kExponential, kWords };
 
-// What the lane calls, from set_lane (owned references; the module keeps them until clear()).
+// What the lane calls, from set_lane (owned references; the module keeps them until clear_lane()).
 struct Lane {
   PyObject* handler = nullptr;   // the eager stream's handler: only its draws take the lane
   // compile_rng.eager.short_draws, whose lane_counter is read per call, so that it can be
@@ -130,7 +130,7 @@ Lane lane;
 
 // A draw the lane serves: short_draws.lane_counter's (kernel, seed, first counter, x0, x1, x2,
 // n), its counters reserved, and the C functions as they were then (read with the GIL
-// held: clear() may empty the lane while the fill runs without it).
+// held: clear_lane() may empty the lane while the fill runs without it).
 struct Fill {
   int64_t kernel;  // short_draws' code: cr_fast_f32's op where `kind` is kFast
   uint64_t seed, first;
@@ -139,7 +139,7 @@ struct Fill {
   Kernel kind;
   FastF32 fast;
   NormalF32 normal;
-  WordKernel word;
+  WordKernel word;  // kWords: its kernel; kExponential: cr_open_unit_bits; else null
 };
 
 // Whether a frame on this thread's Python stack runs one of the lane's watched codes.
@@ -287,7 +287,9 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 2)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 3)),
                 PyFloat_AsDouble(PyTuple_GET_ITEM(got, 4)), PyFloat_AsDouble(PyTuple_GET_ITEM(got, 5)),
                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(got, 6)), kind, lane.fast, lane.normal,
-                kind == Kernel::kWords ? word->second : lane.open_unit};
+                kind == Kernel::kWords         ? word->second
+                : kind == Kernel::kExponential ? lane.open_unit
+                                               : nullptr};
   }
   Py_DECREF(got);
   if (PyErr_Occurred()) {
@@ -588,9 +590,9 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.words = std::move(words);
 }
 
-// Remove every kernel serve() registered, and the lane's references.
-void clear() {
-  libraries.clear();
+// Drop the lane's references (uninstall() with the kernels kept at kLiveKey: no thread
+// includes the key until a stream sets the lane again).
+void clear_lane() {
   Py_CLEAR(lane.handler);
   Py_CLEAR(lane.counters);
   Py_CLEAR(lane.dynamo_hook);
@@ -603,6 +605,12 @@ void clear() {
   lane.watched.clear();
 }
 
+// Remove every kernel serve() registered, and the lane's references.
+void clear() {
+  libraries.clear();
+  clear_lane();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(COMPILE_RNG_MODULE, m) {
@@ -610,5 +618,6 @@ PYBIND11_MODULE(COMPILE_RNG_MODULE, m) {
   m.def("include", &include);
   m.attr("LIVE_KEY") = static_cast<int>(kLiveKey);  // the key's number (torch's Python enum has no name for it)
   m.def("set_lane", &set_lane);
+  m.def("clear_lane", &clear_lane);
   m.def("clear", &clear);
 }
