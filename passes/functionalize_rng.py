@@ -65,6 +65,7 @@ from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, Rewritten
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
 from compile_rng.semantics.pending_key import SITE
 from compile_rng.semantics.random_ops import (
+    DECOMPOSED_IN_GRAPHS,
     RULES,
     RandomCall,
     draws,
@@ -184,11 +185,19 @@ def _module_site(node: fx.Node, ordinals: dict) -> ModuleSite | None:
 def _draws(node: fx.Node) -> bool:
     """Whether ``node`` is a random op that draws for its arguments (SDPA at
     ``dropout_p=0`` carries the random tag but does not)."""
-    return is_random(node.target) and (node.target in RULES or draws(node.target, normalized_arguments(node.target, node.args, node.kwargs)))
+    return is_random(node.target) and (
+        _graph_rule(node.target) or draws(node.target, normalized_arguments(node.target, node.args, node.kwargs))
+    )
+
+
+def _graph_rule(target: object) -> bool:
+    # rrelu's ops are decomposed before the pass (their rules are eager code's): one met
+    # here is refused, as before they had rules
+    return target in RULES and target not in DECOMPOSED_IN_GRAPHS
 
 
 def _check_plain(node: fx.Node, key: fx.Node) -> None:
-    if node.target not in RULES:
+    if not _graph_rule(node.target):
         raise unsupported(node.target)
     if first_val(node).dtype.is_complex:
         raise NotImplementedError(

@@ -14,10 +14,13 @@ do not depend on how the batch is split, and compiled graphs draw the eager valu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
+import reference as ref
 import torch
+from helpers import f32
 
 import compile_rng
 from compile_rng import ops
@@ -340,3 +343,49 @@ def test_compiled_samplers_draw_the_eager_values(inner):
     assert compile_rng.get_state() == state
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def _rrelu_reference(seed: int, x: torch.Tensor, lower: float, upper: float, first: int) -> tuple[torch.Tensor, ...]:
+    """rrelu's output and noise from the reference stream: ``uniform(lower, upper)`` at
+    element ``i``'s counter ``first + i`` (the contract's ``u * (upper - lower) + lower``
+    in float32, each step rounded) where the input is not positive (else 1), times the input."""
+    span, low = f32(upper - lower), f32(lower)
+    noise = [f32(f32(ref.uniform01(seed, first + i, "float32") * span) + low) if v <= 0 else 1.0
+             for i, v in enumerate(x.flatten().tolist())]
+    out = [f32(v * r) for v, r in zip(x.flatten().tolist(), noise)]
+    return torch.tensor(out).view(x.shape), torch.tensor(noise).view(x.shape)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_rrelu_in_a_step_draws_the_compiled_graphs_values(inner):
+    """rrelu in training (torch's kernel draws a uniform per non-positive element from its
+    generator) draws in an eager step what a compiled graph draws by torch's decomposition:
+    ``uniform(lower, upper)`` over the input at its rows, the input times it where not
+    positive, and that uniform as the noise the backward multiplies by - functional and in
+    place, the reference's values at a rank's rows."""
+    x = torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(2))
+    rrelu = functools.partial(torch.nn.functional.rrelu, lower=0.1, upper=0.4, training=True)
+
+    def eager(t: torch.Tensor, **step) -> tuple[torch.Tensor, ...]:
+        compile_rng.manual_seed(31)
+        t = t.clone().requires_grad_()
+        with compile_rng.step(t.shape[0], **step):
+            out = rrelu(t)
+            in_place = rrelu(t.detach().clone(), inplace=True)
+        out.backward(torch.ones_like(out))
+        return out.detach(), in_place, t.grad, compile_rng.get_state()
+
+    out, in_place, grad, position = eager(x)
+    assert position == (31, 2 * x.numel())  # two draws over the batch's elements
+    want, noise = _rrelu_reference(31, x, 0.1, 0.4, 0)
+    assert torch.equal(out, want) and torch.equal(grad, noise)
+    assert torch.equal(in_place, _rrelu_reference(31, x, 0.1, 0.4, x.numel())[0])
+    assert bool((x <= 0).any() and (x > 0).any())  # both branches are exercised
+    half = eager(x[4:], rows=[4, 5, 6, 7], global_batch=8)
+    assert torch.equal(half[0], out[4:]) and torch.equal(half[1], in_place[4:])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: rrelu(t), backend=compile_rng.backend(inner=inner))
+    compile_rng.manual_seed(31)
+    with compile_rng.step(8):
+        assert torch.equal(compiled(x), out)

@@ -17,7 +17,7 @@ from compile_rng.compiled.joint_pass import JointPass
 from compile_rng.compiled.symbols import input_symbols
 from compile_rng.passes.functionalize_rng import functionalize_rng
 from compile_rng.passes.plan import RngPlan
-from compile_rng.semantics.random_ops import INPLACE, RULES, is_random
+from compile_rng.semantics.random_ops import DECOMPOSED_IN_GRAPHS, INPLACE, RULES, is_random
 
 INNERS = ("inductor", "aot_eager")
 
@@ -34,7 +34,7 @@ class Decompositions(dict):
 
 def decompositions() -> Decompositions:
     # The rewrite handles these itself; Inductor's decompositions would change their values.
-    handled = set(RULES) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
+    handled = (set(RULES) - DECOMPOSED_IN_GRAPHS) | set(INPLACE) | {torch.ops.aten.native_dropout_backward.default}
     return Decompositions(
         {op: fn for op, fn in inductor_internals.inductor_decompositions().items() if op not in handled}
     )

@@ -217,6 +217,36 @@ def _dropout(call: RandomCall) -> Any:
     return call.emit(cr.dropout.default, call.arg("input"), call.strides(), _probability(call, "p"))
 
 
+def _rrelu(call: RandomCall) -> tuple[Any, Any]:
+    """``(output, noise)`` of rrelu in training, as torch's decomposition computes it
+    (Inductor's ``rrelu_with_noise_functional``, which a compiled graph draws by): a
+    ``uniform(lower, upper)`` of the input's shape and dtype, the input times it where
+    the input is not positive, and that uniform there (else 1) as the noise."""
+    x = call.arg("input")
+    lower, upper = float(call.arg("lower", 0.125)), float(call.arg("upper", 1.0 / 3.0))
+    dtype = _float_dtype(call)
+    fault = uniform_fault(lower, upper, dtype)
+    if fault is not None:
+        call.fail(*fault)
+    r = call.emit(cr.uniform.default, call.size(), call.strides(), lower, upper, dtype)
+    not_positive = call.apply(aten.le.Scalar, x, 0)
+    output = call.apply(aten.where.self, not_positive, call.apply(aten.mul.Tensor, x, r), x)
+    return output, call.apply(aten.where.ScalarOther, not_positive, r, 1)
+
+
+def _rrelu_with_noise(call: RandomCall) -> Any:
+    # the noise argument is written in place (the op's schema: Tensor(b!) noise), as ATen does
+    output, noise = _rrelu(call)
+    call.apply(aten.copy_.default, call.arg("noise"), noise)
+    return output
+
+
+def _rrelu_with_noise_inplace(call: RandomCall) -> Any:
+    # not an INPLACE entry: that writes a rule's first draw straight into the target, and
+    # this rule's first draw is the noise, not the output
+    return call.apply(aten.copy_.default, call.arg("input"), _rrelu_with_noise(call))
+
+
 def _randint(call: RandomCall, low: int, high: int) -> Any:
     if not low < high:
         call.fail(f"empty range [{low}, {high})", "pass low < high")
@@ -366,7 +396,16 @@ RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
     aten.binomial.default: _binomial,
     aten._standard_gamma.default: _standard_gamma,
     aten._sample_dirichlet.default: _sample_dirichlet,
+    aten.rrelu_with_noise_functional.default: _rrelu,
+    aten.rrelu_with_noise.default: _rrelu_with_noise,
+    aten.rrelu_with_noise_.default: _rrelu_with_noise_inplace,
 }
+
+#: Ops with a rule that a compiled graph does not draw by: its compiler decomposes them
+#: first (torch's decomposition, whose values the rule computes); eager code draws by it.
+DECOMPOSED_IN_GRAPHS = frozenset(
+    {aten.rrelu_with_noise_functional.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default}
+)
 
 
 
