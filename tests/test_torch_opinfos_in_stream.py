@@ -27,10 +27,10 @@ from compile_rng.eager.dispatch_modes import eager_stream
 
 pytest.importorskip("expecttest")  # torch.testing._internal's own dependency
 
-# composites of the random ops (CompositeImplicit: they reach the stream as native_dropout
-# or bernoulli_); every other family comes from the tag
+# composites of the random ops (CompositeImplicit: they reach the stream as native_dropout,
+# bernoulli_ or rrelu_with_noise); every other family comes from the tag
 _COMPOSITES = {"nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
-               "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout"}
+               "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout", "nn.functional.rrelu"}
 
 # (OpInfo, variant, dtype, sample index) -> why its outcome differs by design; none today
 BY_DESIGN: dict[tuple, str] = {}
@@ -71,7 +71,8 @@ def _clone(sample):
 
 def test_the_database_has_the_random_ops():
     names = {o.name for o in random_opinfos()}
-    assert {"bernoulli", "multinomial", "uniform", "normal", "randint", "rand_like", "nn.functional.dropout"} <= names
+    assert {"bernoulli", "multinomial", "uniform", "normal", "randint", "rand_like", "nn.functional.dropout",
+            "nn.functional.rrelu"} <= names
 
 
 @pytest.mark.parametrize("name", sorted({o.name + ("." + o.variant_test_name if o.variant_test_name else "")
