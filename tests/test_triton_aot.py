@@ -207,3 +207,23 @@ def test_per_element_reports_compile_rng_and_stock_inductor():
     assert abs(ratio - ours / stock) < 0.01 and abs(graph_ratio - graph / stock) < 0.01
     assert "- stock Inductor dropout float32 (XBLOCK" in run.stdout
     assert "- compile_rng in a graph dropout float32 (XBLOCK" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_normal_transform_study_runs():
+    """``benchmarks/normal_transform_study.py`` (issue 64's contract data): its kernels compile
+    for sm_90, and its models of stream v1's formula (polynomials) and of an angle from the
+    word's bits stay within the 4-ulp bound of float64 math."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "normal_transform_study.py"
+    run = subprocess.run([sys.executable, str(script), "--pairs", "4096"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = {m[0]: (float(m[1]), m[2]) for m in re.findall(r"^\| ([^|]+?) \| [^|]+ \| ([\d.]+) \| \d+ \| ([^|]+?) \|$",
+                                                        run.stdout, re.M)}
+    assert set(rows) == {"libdevice (today)", "v1 polynomials", "v2 bits angle", "no transform (words as uniforms)"}
+    assert float(rows["v1 polynomials"][1]) <= 4 and float(rows["v2 bits angle"][1]) <= 4
+    assert rows["no transform (words as uniforms)"][0] < rows["v1 polynomials"][0] < rows["libdevice (today)"][0]
