@@ -46,7 +46,7 @@ a kernel in C++ for each aten random op at torch's        a step's random ops dr
 ``Fake`` dispatch key, which only a stream's thread        and no other op pays a Python call;
 state includes, a fallthrough there for every other op,    outside streams no dispatch reaches
 and compile_rng's Python kernels at a key no dispatch      compile_rng: every random op runs
-reaches: at the first step or eager stream, kept for     torch's kernels as stock torch
+reaches: at the first step or eager stream, kept for       torch's kernels as stock torch
 the process (``uninstall()`` drops only the C++ lane's     (:mod:`~compile_rng.eager.random_kernels`,
 handler, which the next stream sets again). Without a      :mod:`~compile_rng.eager.native_kernels`)
 C++ compiler (or on torch 2.11, 2.12): kernels at the
@@ -183,7 +183,7 @@ def uninstall() -> None:
         handle.remove()
     _module_hooks.clear()
     _unregister_random_kernels()
-    after_import("compile_rng.eager.random_kernels", _offer_random_kernels)  # a stream registers them again
+    after_import("compile_rng.eager.random_kernels", _offer_random_kernels)  # a stream serves them again
     for name in _triton_ops:
         inductor_internals.remove_triton_op(name)
     _triton_ops.clear()
@@ -365,8 +365,9 @@ def _add_triton_op(words: ModuleType) -> None:
 
 
 def _offer_random_kernels(kernels: ModuleType) -> None:
-    # A stream asks for the kernels (random_kernels.drawing): registered at the first
-    # (again after uninstall()), they stay until uninstall() - inert outside streams.
+    # A stream asks for the kernels (random_kernels.drawing): served from the first (again
+    # after uninstall(), which leaves those at the stream's key registered, their lane
+    # cleared) until uninstall() - inert outside streams.
     kernels.set_installer(functools.partial(_installed_random_kernels, kernels))
 
 

@@ -194,7 +194,8 @@ def _stock_draws() -> list[torch.Tensor]:
 def test_outside_a_step_random_ops_are_torchs_values_errors_and_autograd():
     """With the kernels registered, outside a step: torch's values (the same generator
     draws), its errors and its autograd (a leaf that requires grad refuses an in-place
-    draw); after ``uninstall()`` the registrations are gone and the same holds."""
+    draw); after ``uninstall()`` no kernel of compile_rng is where a dispatch reaches it
+    (those at the stream's key stay, with no thread including it) and the same holds."""
     with dispatch_modes.eager_stream():
         pass  # the kernels are registered
 
@@ -214,11 +215,13 @@ def test_outside_a_step_random_ops_are_torchs_values_errors_and_autograd():
     try:
         # no kernel of compile_rng is left where a dispatch can reach it: the C++ kernels
         # (or a fallthrough) at the stream's key, which no thread's state includes out of a
-        # stream, and the Python kernels at a key no dispatch reaches, stay
+        # stream or a layout block, and the Python kernels at a key no dispatch reaches, stay
         assert "Fake" not in str(torch._C._dispatch_tls_local_include_set())
         assert _python_frames(lambda: torch.rand(4)) == []
         for op in core_internals.random_op_overloads():
             lines = _dispatch_lines(op)
+            # at the stream's key: the C++ kernel or the fallthrough, never a Python kernel
+            assert "installation.py" not in lines.get("Fake", ""), (op, lines["Fake"])
             assert all("compile_rng" not in line for key, line in lines.items()
                        if key not in ("Fake", core_internals.PYTHON_KERNEL_KEY)), op
         torch.manual_seed(11)
@@ -252,6 +255,7 @@ def test_a_step_draws_the_stream_installed_uninstalled_and_reinstalled():
 
     kept = KERNEL_KEY == "Fake"
     before = masks()
+
     def references() -> int:  # outside an assert: pytest's rewriting holds the function too
         return sys.getrefcount(dispatch_modes.stream_op)
 
@@ -503,17 +507,28 @@ def test_a_step_under_torchs_python_dispatcher_draws_the_stream():
 @pytest.mark.skipif(not stream_key_in_thread_state(), reason="torch 2.11 and 2.12: the kernels sit at the backend keys")
 def test_uninstall_inside_a_guard_leaves_no_key_behind():
     """A layout block is no stream (``uninstall()`` is allowed in it), but it holds a guard
-    and the key: leaving it after ``uninstall()`` takes the key out all the same."""
+    and the key: its random ops after ``uninstall()`` meet the kept kernels with their lane
+    cleared and run as before it (a plain tensor's: torch's values), and leaving the block
+    takes the key out all the same."""
     def included() -> bool:
         return "Fake" in str(torch._C._dispatch_tls_local_include_set())
 
+    def draws() -> list[torch.Tensor]:
+        return [torch.rand(2), F.dropout(torch.ones(8), 0.5), torch.randn(3)]
+
+    torch.manual_seed(3)
+    stock = draws() + draws()
     try:
+        torch.manual_seed(3)
         with compile_rng.layout("invariant"):
-            torch.rand(2)  # the guard is held while a random op runs
+            drawn = draws()  # the guard is held while a random op runs
             compile_rng.uninstall()
+            assert included()
+            drawn += draws()
         assert not included()
     finally:
         compile_rng.install()
+    assert all(torch.equal(a, b) for a, b in zip(drawn, stock))
 
 
 TAKEN_KEY = r"""

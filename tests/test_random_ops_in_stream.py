@@ -54,6 +54,14 @@ REFUSED = {
     "multinomial without replacement, too many": lambda: torch.multinomial(torch.ones(2, 3), 4),
     "multinomial negative weight": lambda: torch.multinomial(torch.tensor([1.0, -1.0]), 1),
     "poisson negative rate": lambda: torch.poisson(torch.tensor([-1.0])),
+    "rrelu float16 on CPU": lambda: torch.nn.functional.rrelu(torch.ones(3, dtype=torch.float16), training=True),
+    "rrelu lower > upper": lambda: torch.nn.functional.rrelu(torch.ones(3), 0.5, 0.1, training=True),
+    "rrelu_with_noise noise shape": lambda: torch.ops.aten.rrelu_with_noise(torch.ones(4, 3), torch.zeros(3),
+                                                                            0.1, 0.3, True),
+    "rrelu_with_noise noise dtype": lambda: torch.ops.aten.rrelu_with_noise(
+        torch.ones(4, 3), torch.zeros(4, 3, dtype=torch.float64), 0.1, 0.3, True),
+    "rrelu_with_noise int64": lambda: torch.ops.aten.rrelu_with_noise(
+        torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 0.1, 0.3, True),
 }
 
 ACCEPTED = {
@@ -80,6 +88,9 @@ ACCEPTED = {
     "binomial": lambda: torch.binomial(torch.tensor([10.0, 100.0]), torch.tensor([0.5, 0.9])),
     "gamma": lambda: torch._standard_gamma(torch.tensor([0.3, 4.0])),
     "dirichlet": lambda: torch._sample_dirichlet(torch.tensor([[0.3, 4.0, 1.0]])),
+    "rrelu bfloat16": lambda: torch.nn.functional.rrelu(torch.ones(3, dtype=torch.bfloat16), training=True),
+    "rrelu_with_noise strided noise": lambda: torch.ops.aten.rrelu_with_noise(torch.ones(4, 3), torch.zeros(3, 4).t(),
+                                                                              0.1, 0.3, True),
 }
 
 
@@ -387,5 +398,8 @@ def test_rrelu_in_a_step_draws_the_compiled_graphs_values(inner):
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: rrelu(t), backend=compile_rng.backend(inner=inner))
     compile_rng.manual_seed(31)
+    leaf = x.clone().requires_grad_()
     with compile_rng.step(8):
-        assert torch.equal(compiled(x), out)
+        got = compiled(leaf)
+    got.backward(torch.ones_like(got))
+    assert torch.equal(got.detach(), out) and torch.equal(leaf.grad, grad)  # the graph's noise is the eager one

@@ -130,7 +130,7 @@ def build() -> tuple[str, Path]:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The built module (``serve``, ``set_lane``, ``include``, ``clear``, ``LIVE_KEY``), or
+    """The built module (``serve``, ``set_lane``, ``include``, ``clear_lane``, ``clear``, ``LIVE_KEY``), or
     None - with one warning saying what that costs - where it cannot be built or loaded."""
     try:
         name, path = build()

@@ -222,12 +222,18 @@ def _rrelu(call: RandomCall) -> tuple[Any, Any]:
     (Inductor's ``rrelu_with_noise_functional``, which a compiled graph draws by): a
     ``uniform(lower, upper)`` of the input's shape and dtype, the input times it where
     the input is not positive, and that uniform there (else 1) as the noise."""
-    x = call.arg("input")
+    x, noise = call.arg("input"), call.arg("noise")
     lower, upper = float(call.arg("lower", 0.125)), float(call.arg("upper", 1.0 / 3.0))
     dtype = _float_dtype(call)
     fault = uniform_fault(lower, upper, dtype)
     if fault is not None:
         call.fail(*fault)
+    # ATen's checks (2.11-2.15), which the rule would pass by: the noise it writes is the
+    # input's shape and dtype (copy_ would broadcast or cast), and its CPU kernel has no float16
+    if noise.shape != x.shape or noise.dtype != x.dtype:
+        call.fail("the noise tensor is not of the input's shape and dtype", "pass a noise tensor like the input")
+    if dtype == torch.float16 and x.device.type == "cpu":
+        call.fail("rrelu has no float16 CPU kernel", "compute it in float32 or bfloat16")
     r = call.emit(cr.uniform.default, call.size(), call.strides(), lower, upper, dtype)
     not_positive = call.apply(aten.le.Scalar, x, 0)
     output = call.apply(aten.where.self, not_positive, call.apply(aten.mul.Tensor, x, r), x)
@@ -406,7 +412,6 @@ RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
 DECOMPOSED_IN_GRAPHS = frozenset(
     {aten.rrelu_with_noise_functional.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default}
 )
-
 
 
 def _unnamed(rule: Callable[[RandomCall], Any]) -> Callable[[RandomCall], Any]:

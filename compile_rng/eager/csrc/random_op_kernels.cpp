@@ -590,19 +590,16 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.words = std::move(words);
 }
 
-// Drop the lane's references (uninstall() with the kernels kept at kLiveKey: no thread
-// includes the key until a stream sets the lane again).
+// Drop the lane's Python references (uninstall()): the lane is closed (lane_open reads
+// lane.counters) until a stream sets it again. A layout block open across uninstall() keeps
+// the key; its draws then take the Python kernel. The C functions and codes stay: a draw
+// that reserved its counters just before another thread cleared the lane still fills with
+// them (compile_rng's C library stays loaded for the process).
 void clear_lane() {
   Py_CLEAR(lane.handler);
   Py_CLEAR(lane.counters);
   Py_CLEAR(lane.dynamo_hook);
   Py_CLEAR(lane.tensor_type);
-  lane.fast = nullptr;
-  lane.normal = nullptr;
-  lane.normal_code = lane.exponential_code = -1;
-  lane.open_unit = nullptr;
-  lane.words.clear();
-  lane.watched.clear();
 }
 
 // Remove every kernel serve() registered, and the lane's references.
