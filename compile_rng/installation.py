@@ -396,20 +396,17 @@ def _register_random_kernels(kernels: ModuleType) -> None:
             library.impl(op, kernels.kernel(op, None), core_internals.PYTHON_KERNEL_KEY, with_keyset=True)
         _python_kernels.append((library, _native_entries([(op, []) for op in served])))
         _higher_order_ops_pass(core_internals.numbered_dispatch_key(native.LIVE_KEY))
-    if native in _kept_native:
-        _set_lane(native)
-        _native.append(native)
-    else:
-        try:
-            _serve_natively(native, _python_kernels[0][1])
-        except RuntimeError as error:
-            # another fallback at the key (a fake-tensor backend's: the key is torch's own,
-            # unused in 2.11-2.15): the backend keys serve instead, nothing drawn wrongly
-            warnings.warn(f"compile_rng's random-op kernels cannot sit at torch's Fake dispatch key ({error}); "
-                          "they sit at the backend keys instead (+0.1-0.4 us per random op outside streams)",
-                          RuntimeWarning, stacklevel=2)
-            _register_at_backend_keys(kernels, native)
-            return
+    try:
+        _serve_natively(native, _python_kernels[0][1])
+    except RuntimeError as error:
+        # another fallback at the key (a fake-tensor backend's: the key is torch's own,
+        # unused in 2.11-2.15): the backend keys serve instead, nothing drawn wrongly
+        warnings.warn(f"compile_rng's random-op kernels cannot sit at torch's Fake dispatch key ({error}); "
+                      "they sit at the backend keys instead (+0.1-0.4 us per random op outside streams)",
+                      RuntimeWarning, stacklevel=2)
+        _register_at_backend_keys(kernels, native)
+        return
+    if native not in _kept_native:
         _kept_native.append(native)
     # kept after uninstall(): a guard open across it takes its key out on exit
     kernels.set_key_switch(native.include)
@@ -459,12 +456,14 @@ def _set_lane(native: ModuleType) -> None:
 
 def _serve_natively(native: ModuleType, entries: list[tuple[str, str, int, list[str]]]) -> None:
     # the C++ kernels and their lane, all or nothing: recorded as registered only once served
+    # (kernels kept at the stream's key since an earlier step are served already)
     _set_lane(native)
-    try:
-        native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
-    except BaseException:
-        native.clear()
-        raise
+    if native not in _kept_native:
+        try:
+            native.serve(entries, core_internals.PYTHON_KERNEL_KEY, core_internals.BACKEND_KEYS)
+        except BaseException:
+            native.clear()
+            raise
     _native.append(native)
 
 

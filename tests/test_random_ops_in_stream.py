@@ -25,6 +25,7 @@ from helpers import f32
 import compile_rng
 from compile_rng import ops
 from compile_rng.eager.dispatch_modes import eager_stream
+from compile_rng.launch import spawn
 
 
 def _outcome(fn):
@@ -403,3 +404,43 @@ def test_rrelu_in_a_step_draws_the_compiled_graphs_values(inner):
         got = compiled(leaf)
     got.backward(torch.ones_like(got))
     assert torch.equal(got.detach(), out) and torch.equal(leaf.grad, grad)  # the graph's noise is the eager one
+
+
+def _real_ranks_draws(local: int, rows: slice) -> list[torch.Tensor]:
+    """The samplers, a permutation and rrelu (at the rank's rows of one input) in a step of
+    ``local`` rows."""
+    x = torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(2))[rows]
+    drawn = [fn(local) for fn in SAMPLERS.values()]
+    return [*drawn, torch.randperm(9), torch.nn.functional.rrelu(x, 0.1, 0.4, training=True)]
+
+
+def _real_ranks_body(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    local = 8 // world
+    compile_rng.manual_seed(12)
+    with compile_rng.step(local, data_parallel=dist.group.WORLD):
+        drawn = _real_ranks_draws(local, slice(rank * local, (rank + 1) * local))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (drawn, compile_rng.get_state()))
+    if rank == 0:
+        torch.save(gathered, out)
+
+
+@pytest.mark.slow
+def test_real_ranks_draw_the_one_process_rows(tmp_path):
+    """Two gloo ranks of 4 rows each (their rows from the process group): each sampler's and
+    rrelu's rows are the one process's rows of the 8, the permutation is one replica, and
+    the stream ends where the one process's does."""
+    out = str(tmp_path / "ranks.pt")
+    spawn(_real_ranks_body, 2, out)
+    gathered = torch.load(out)
+    compile_rng.manual_seed(12)
+    with compile_rng.step(8):
+        whole = _real_ranks_draws(8, slice(None))
+    for rank, (drawn, position) in enumerate(gathered):
+        assert position == compile_rng.get_state()
+        assert torch.equal(drawn[-2], whole[-2])  # randperm: no rows
+        rowwise = drawn[:-2] + drawn[-1:]
+        for got, want in zip(rowwise, whole[:-2] + whole[-1:], strict=True):
+            assert torch.equal(got, want[4 * rank:4 * rank + 4])

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -491,3 +493,51 @@ def test_real_ranks_on_the_short_path_draw_the_one_process_batch(tmp_path):
         assert position == compile_rng.get_state()
         _assert_reference(drawn, first_row=4 * rank)
         assert all(torch.equal(d, w[4 * rank:4 * rank + 4]) for d, w in zip(drawn, whole))
+
+
+_CLEARED_MID_DRAW = """
+import gc
+import torch
+import torch.nn.functional as F
+import compile_rng
+from compile_rng import installation
+from compile_rng.eager import native_kernels
+
+def draws(arm=lambda: None):
+    compile_rng.manual_seed(5)
+    with compile_rng.step(4):
+        arm()
+        return F.dropout(torch.ones(4, 8), 0.5), torch.empty(4, 8).uniform_(), torch.rand(4, 8), torch.randn(4, 8)
+
+want = draws()
+native = native_kernels.load()
+armed = []
+
+def clear(phase, info):
+    if armed and phase == "start":
+        armed.clear()
+        native.clear_lane()
+
+gc.callbacks.append(clear)
+threshold = gc.get_threshold()
+allocations = 0
+while not armed:  # until the draws end before the collection: every allocation has had one
+    allocations += 1
+    installation._set_lane(native)
+    got = draws(lambda: (gc.collect(), gc.set_threshold(allocations), armed.append(allocations)))
+    gc.set_threshold(*threshold)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), allocations
+print(allocations)
+"""
+
+
+def test_a_lane_cleared_mid_draw_keeps_the_draw_whole():
+    """``uninstall()`` on another thread clears the lane whenever this thread's draw lets go
+    of the GIL - in any Python call, a garbage collection's callbacks included. Here a
+    collection's callback clears it at each GC-tracked allocation of four draws in turn
+    (Python 3.11 collects at the allocation): every draw completes with the stream's values
+    (the C++ kernel took its own references to the lane's objects; it dereferenced a
+    cleared pointer before, a segmentation fault at the 6th and 7th)."""
+    run = subprocess.run([sys.executable, "-c", _CLEARED_MID_DRAW], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert int(run.stdout) > 8  # the draws' allocations, each a point a collection cleared the lane

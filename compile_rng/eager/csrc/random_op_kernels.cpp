@@ -187,28 +187,39 @@ PyObject* name(const char* text) {
   return made;
 }
 
+// The lane's Python objects as owned references, taken once per draw with the GIL held. A
+// draw makes Python calls (Dynamo's hook, the counters; a garbage collection's finalizers
+// at any allocation), and in one another thread may run uninstall() (clear_lane) or a
+// stream's set_lane: the draw keeps using what it took, never a cleared pointer.
+struct LaneObjects {
+  pybind11::object handler = pybind11::reinterpret_borrow<pybind11::object>(lane.handler);
+  pybind11::object counters = pybind11::reinterpret_borrow<pybind11::object>(lane.counters);
+  pybind11::object dynamo_hook = pybind11::reinterpret_borrow<pybind11::object>(lane.dynamo_hook);
+  pybind11::object tensor_type = pybind11::reinterpret_borrow<pybind11::object>(lane.tensor_type);
+};
+
 // Whether a draw here may take the lane, the GIL held: this thread's eager stream (its
 // handler, not a guard's or another stream's), no dispatch mode, Dynamo's frame hook off (it
 // would compile the Python frames the lane calls; the Python kernel turns it off).
-bool lane_open(PyObject* drawing) {
+bool lane_open(PyObject* drawing, const LaneObjects& objects) {
   static PyObject* const handler = name("handler");
   static PyObject* const thread = name("thread");
-  if (lane.counters == nullptr || c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
+  if (!objects.counters || c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
     return false;
   }
-  PyObject* hook = PyObject_CallNoArgs(lane.dynamo_hook);
+  PyObject* hook = PyObject_CallNoArgs(objects.dynamo_hook.ptr());
   if (hook == nullptr) {
     throw pybind11::error_already_set();
   }
   const bool hooked = hook != Py_None;
   Py_DECREF(hook);
-  return !hooked && attribute_is(drawing, handler, lane.handler) &&
+  return !hooked && attribute_is(drawing, handler, objects.handler.ptr()) &&
          attribute_is(drawing, thread, nullptr, PyThread_get_thread_ident());
 }
 
 // Whether short_draws.<function>() says yes (a Python error is raised as the op's).
-bool asked(PyObject* function_name) {
-  PyObject* answer = PyObject_CallMethodNoArgs(lane.counters, function_name);
+bool asked(const LaneObjects& objects, PyObject* function_name) {
+  PyObject* answer = PyObject_CallMethodNoArgs(objects.counters.ptr(), function_name);
   if (answer == nullptr) {
     throw pybind11::error_already_set();
   }
@@ -221,7 +232,8 @@ bool asked(PyObject* function_name) {
 // GIL held: true with its draw in `fill`, counters reserved; false where the Python kernel
 // serves it (nothing reserved). A Python error from the counters (a refused draw) is raised
 // as the Python kernel raises it.
-bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::jit::Stack& stack, Fill& fill) {
+bool reserve_on_lane(PyObject* drawing, const LaneObjects& objects, int64_t op, size_t arity,
+                     const torch::jit::Stack& stack, Fill& fill) {
   static PyObject* const lane_counter = name("lane_counter");
   const size_t first_argument = stack.size() - arity;
   const at::Tensor& self = stack[first_argument].toTensor();
@@ -244,8 +256,8 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
   // a tensor with a Python object of a subclass (a Parameter) takes the Python kernel, as
   // the short path leaves it; one with none yet (made in C++: dropout's empty_like) is plain
   PyObject* object = self.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
-  if ((object != nullptr && Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(lane.tensor_type)) ||
-      !lane_open(drawing) || watched_frame_on_stack()) {
+  if ((object != nullptr && Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(objects.tensor_type.ptr())) ||
+      !lane_open(drawing, objects) || watched_frame_on_stack()) {
     return false;
   }
   // lane_counter(op, size, numbers...), and the dtype after the numbers unless it is
@@ -268,7 +280,7 @@ bool reserve_on_lane(PyObject* drawing, int64_t op, size_t arity, const torch::j
     Py_INCREF(dtype_object);
     PyTuple_SET_ITEM(arguments, arity, dtype_object);
   }
-  PyObject* counter = PyObject_GetAttr(lane.counters, lane_counter);
+  PyObject* counter = PyObject_GetAttr(objects.counters.ptr(), lane_counter);
   PyObject* got = counter != nullptr ? PyObject_Call(counter, arguments, nullptr) : nullptr;
   Py_XDECREF(counter);
   Py_DECREF(arguments);
@@ -330,12 +342,13 @@ class RandomOpKernel final : public c10::OperatorKernel {
       PyObject* here = at::impl::ThreadLocalPythonObjects::contains(kHandlerKey) ? drawing_here() : nullptr;
       if (here != nullptr) {
         drawing = true;
+        const LaneObjects objects;
         try {
           if (lane_op_ >= 0) {
-            reserved = reserve_on_lane(here, lane_op_, arity, *stack, fill);
+            reserved = reserve_on_lane(here, objects, lane_op_, arity, *stack, fill);
           } else if (lane_op_ == kThroughTorch) {
             static PyObject* const lane_through_torch = name("lane_through_torch");
-            through_torch = lane_open(here) && asked(lane_through_torch);
+            through_torch = lane_open(here, objects) && asked(objects, lane_through_torch);
           }
         } catch (...) {
           Py_DECREF(here);
@@ -590,8 +603,8 @@ void set_lane(pybind11::object handler, pybind11::object counters, pybind11::obj
   lane.words = std::move(words);
 }
 
-// Drop the lane's Python references (uninstall()): the lane is closed (lane_open reads
-// lane.counters) until a stream sets it again. A layout block open across uninstall() keeps
+// Drop the lane's Python references (uninstall()): the lane is closed (a draw's LaneObjects
+// hold no counters) until a stream sets it again. A layout block open across uninstall() keeps
 // the key; its draws then take the Python kernel. The C functions and codes stay: a draw
 // that reserved its counters just before another thread cleared the lane still fills with
 // them (compile_rng's C library stays loaded for the process).
