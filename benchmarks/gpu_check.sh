@@ -63,6 +63,8 @@ phase tests 180 "${PY[@]}" -m pytest -q -p no:cacheprovider tests/gpu tests/test
     tests/test_stream_conformance.py tests/test_accelerator_path.py
 phase bench 200 "${PY[@]}" benchmarks/bench_gpu.py --json "$OUT/bench-gpu.json"
 phase host 60 "${PY[@]}" benchmarks/bench_gpu.py --host
+# issue 64 item 2: do the polynomial normals' FMAs round as the model's (bitwise), and what they cost
+phase normal-study 90 "${PY[@]}" benchmarks/normal_transform_study.py --run cuda
 if command -v ncu >/dev/null; then
     phase ncu 60 ncu --kernel-name regex:_stream_kernel --launch-count 3 --clock-control none \
         --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,dram__bytes.sum,gpu__time_duration.sum \
@@ -81,6 +83,10 @@ say '```'
 say "## host time per call of a small draw (bench_gpu.py --host)"
 say '```'
 tee -a "$REPORT" <"$OUT/host.log" >/dev/null
+say '```'
+say "## Box-Muller variants launched (normal_transform_study.py --run cuda)"
+say '```'
+tail -8 "$OUT/normal-study.log" | tee -a "$REPORT"
 say '```'
 if [ -f "$OUT/ncu.log" ]; then
     say "## Nsight Compute (executed instructions per element: smsp__thread_inst_executed / elements)"

@@ -4,6 +4,8 @@ stream v1's formula, and with an angle read from the word's bits (a stream v2), 
 far each lands from the exact math. Nothing here runs on a GPU or changes the stream.
 
     python benchmarks/normal_transform_study.py [--pairs N]
+    python benchmarks/normal_transform_study.py --run cuda          (on a GPU: make gpu-check)
+    python benchmarks/normal_transform_study.py --run interpreter   (Triton's interpreter, CPU)
 
 Each variant is one Triton kernel shaped like the eager kernel's block path (a program
 writes 512 Philox blocks, four normals each, ``z * std + mean`` stored unmasked), compiled
@@ -20,6 +22,12 @@ executes, per element). Accuracy comes from a numpy model of the same float32 op
 * ``v2 bits angle``: ``cos(2 pi w / 2**32)`` with the quadrant taken from the word's top
   bits and the rest as a signed fraction (no reduction error), the same log: a new
   formula, so a stream version.
+
+``--run`` launches the kernels instead: on a GPU, each modelled variant's values against its
+model bit for bit (the question only a GPU answers: do its FMAs round once, as the model's,
+so that a CPU kernel could give the same bits?) and each variant's time against torch's
+``normal_`` in the same run; in Triton's interpreter, whose ``fma`` rounds twice, against the
+model rounding twice (which checks the kernels' operations and the words' layout on CPU).
 
 The polynomials are fitted at start-up (least squares on Chebyshev nodes, coefficients
 rounded to float32) to the smallest degree whose float64 error is under a quarter of a
@@ -38,7 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ["TRITON_INTERPRET"] = "0"  # this process compiles for sm_90
+# this process compiles for sm_90, or launches on a GPU, unless asked for the interpreter
+INTERPRETER = "interpreter" in sys.argv[sys.argv.index("--run") + 1:][:1] if "--run" in sys.argv else False
+os.environ["TRITON_INTERPRET"] = "1" if INTERPRETER else "0"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -85,6 +95,8 @@ f32 = np.float32
 
 
 def _fma(a, b, c):
+    if INTERPRETER:  # Triton's interpreter: numpy's float32 multiply, then add
+        return a.astype(f32) * b.astype(f32) + c.astype(f32)
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(f32)
 
 
@@ -184,6 +196,7 @@ from compile_rng.stream.triton_kernels import _box_muller, _in_order, _words  # 
 _LOG_Q = tl.constexpr(tuple(LOG_Q))
 _SIN_S = tl.constexpr(tuple(SIN_S))
 _COS_C = tl.constexpr(tuple(COS_C))
+_LOG_Q_DEGREE, _SIN_S_DEGREE, _COS_C_DEGREE = (tl.constexpr(len(c) - 1) for c in (LOG_Q, SIN_S, COS_C))
 _LN2_HI, _LN2_LO = tl.constexpr(LN2_HI), tl.constexpr(LN2_LO)
 _PIO2_HI, _PIO2_LO = tl.constexpr(PIO2_HI), tl.constexpr(PIO2_LO)
 _TWO_PI_32, _ANGLE_UNIT, _ROUNDER = tl.constexpr(TWO_PI_32), tl.constexpr(ANGLE_UNIT), tl.constexpr(ROUNDER)
@@ -191,9 +204,9 @@ _TWO_OVER_PI = tl.constexpr(float(np.float32(2 / math.pi)))
 
 
 @triton.jit
-def _horner_tl(x, COEFS: tl.constexpr):
-    acc = tl.full(x.shape, COEFS[len(COEFS) - 1], tl.float32)
-    for k in tl.static_range(len(COEFS) - 2, -1, -1):
+def _horner_tl(x, COEFS: tl.constexpr, DEGREE: tl.constexpr):
+    acc = tl.full(x.shape, COEFS[DEGREE], tl.float32)  # (len() of a constexpr fails in the interpreter)
+    for k in tl.static_range(DEGREE - 1, -1, -1):
         acc = tl.fma(acc, x, COEFS[k])
     return acc
 
@@ -203,7 +216,7 @@ def _log_tl(u):
     bits = u.to(tl.int32, bitcast=True)
     e = (bits - 0x3F3504F3) >> 23
     f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
-    y = tl.fma(f * f, _horner_tl(f, _LOG_Q), f)
+    y = tl.fma(f * f, _horner_tl(f, _LOG_Q, _LOG_Q_DEGREE), f)
     ef = e.to(tl.float32)
     return tl.fma(ef, _LN2_HI, tl.fma(ef, _LN2_LO, y))
 
@@ -211,8 +224,8 @@ def _log_tl(u):
 @triton.jit
 def _sincos_tl(x, q):
     x2 = x * x
-    s = tl.fma(x2 * x, _horner_tl(x2, _SIN_S), x)
-    c = tl.fma(x2, tl.fma(x2, _horner_tl(x2, _COS_C), -0.5), 1.0)
+    s = tl.fma(x2 * x, _horner_tl(x2, _SIN_S, _SIN_S_DEGREE), x)
+    c = tl.fma(x2, tl.fma(x2, _horner_tl(x2, _COS_C, _COS_C_DEGREE), -0.5), 1.0)
     swap = (q & 1) == 1
     cos_out = tl.where(swap, s, c)
     sin_out = tl.where(swap, c, s)
@@ -292,10 +305,82 @@ def instructions(variant: int) -> tuple[float, int]:
     return len(executed) / (4 * block / (tk.OPTIONS["num_warps"] * 32)), resources.registers
 
 
+def modelled(variant: int, seed: int, n: int) -> np.ndarray | None:
+    """What the study kernel writes for ``variant`` at elements ``0..n-1`` (mean 0, std 1) by
+    the numpy model, from the CPU kernel's words of the canonical stream; None for libdevice."""
+    from compile_rng.stream import cpu_kernel
+
+    words, _ = cpu_kernel.philox_words(seed, 0, [n], [1], pair=True)
+    w_even, w_odd = words[0::2].numpy().astype(np.uint32).T  # element 2p's (W[2p], W[2p+1])
+    if variant == 0:
+        return None
+    if variant == 3:
+        unit = f32(2.0**-32)
+        z_cos, z_sin = w_even.astype(f32) * unit, w_odd.astype(f32) * unit
+    else:
+        z_cos, z_sin = (model_v1 if variant == 1 else model_v2)(w_even, w_odd)
+    return np.stack([z_cos, z_sin], axis=1).reshape(n)
+
+
+def launched(programs: int) -> None:
+    """Launch each variant over ``programs`` programs: bitwise against its model, and (on a
+    GPU) its time against torch's ``normal_`` of as many float32 elements."""
+    import torch
+
+    from compile_rng.stream import triton_kernels as tk
+
+    device = "cpu" if INTERPRETER else "cuda"
+    seed, n = 0x243F6A8885A308D3, 4 * tk._BLOCKS * programs
+    where = "Triton's interpreter (fma rounded twice)" if INTERPRETER else torch.cuda.get_device_name()
+    print(f"{where}; {n} elements, seed {seed:#x}")
+    print("| variant | elements not bitwise its model | max ulps from the model | ms per launch | x torch normal_ |")
+    print("| --- | --- | --- | --- | --- |")
+    base = _time(lambda: torch.empty(n, device=device).normal_(), device)
+    for variant, name in enumerate(VARIANTS):
+        out = torch.empty(n, device=device)
+
+        def launch(variant=variant, out=out):
+            _study_kernel[(programs,)](out, seed, 0.0, 1.0, VARIANT=variant, BLOCK=tk._BLOCKS, **tk.OPTIONS)
+
+        launch()
+        got, want = out.cpu().numpy(), modelled(variant, seed, n)
+        off = "-" if want is None else str(int(np.count_nonzero(got.view(np.uint32) != want.view(np.uint32))))
+        apart = "-" if want is None else f"{ulps(got, want.astype(np.float64)):.2f}"
+        ms = _time(launch, device)
+        timing = "- | -" if ms is None else f"{ms:.3f} | {ms / base:.2f}"
+        print(f"| {name} | {off} | {apart} | {timing} |")
+    if base is not None:
+        print(f"torch normal_: {base:.3f} ms")
+
+
+def _time(fn, device: str, reps: int = 20) -> float | None:
+    """Milliseconds per call of ``fn`` back to back (CUDA events), None off a GPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1 << 20)
+    parser.add_argument("--run", choices=("cuda", "interpreter"),
+                        help="launch the kernels (bitwise against the models, timed on a GPU) instead of compiling")
+    parser.add_argument("--programs", type=int, default=None,
+                        help="programs per launch (2048 elements each; default 32768 on a GPU, 4 in the interpreter)")
     args = parser.parse_args()
+    if args.run:
+        launched(args.programs or (4 if INTERPRETER else 32768))
+        return
     print(f"triton {triton.__version__}; polynomial degrees: log Q {len(LOG_Q) - 1}, "
           f"sin S {len(SIN_S) - 1} (in x**2), cos C {len(COS_C) - 1} (in x**2)")
     errors = accuracy(args.pairs)

@@ -212,8 +212,9 @@ def test_per_element_reports_compile_rng_and_stock_inductor():
 @pytest.mark.slow
 def test_the_normal_transform_study_runs():
     """``benchmarks/normal_transform_study.py`` (issue 64's contract data): its kernels compile
-    for sm_90, and its models of stream v1's formula (polynomials) and of an angle from the
-    word's bits stay within the 4-ulp bound of float64 math."""
+    for sm_90, its models of stream v1's formula (polynomials) and of an angle from the
+    word's bits stay within the 4-ulp bound of float64 math, and its kernels, launched in
+    Triton's interpreter, write their models' bits."""
     import re
     import subprocess
     import sys
@@ -227,3 +228,11 @@ def test_the_normal_transform_study_runs():
     assert set(rows) == {"libdevice (today)", "v1 polynomials", "v2 bits angle", "no transform (words as uniforms)"}
     assert float(rows["v1 polynomials"][1]) <= 4 and float(rows["v2 bits angle"][1]) <= 4
     assert rows["no transform (words as uniforms)"][0] < rows["v1 polynomials"][0] < rows["libdevice (today)"][0]
+    # launched in Triton's interpreter: every modelled variant's values are its model's bits
+    # (the interpreter's fma rounding twice, as the model then does), at the canonical words
+    run = subprocess.run([sys.executable, str(script), "--run", "interpreter"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    launched = dict(re.findall(r"^\| ([^|]+?) \| (\d+|-) \|", run.stdout, re.M))
+    assert launched == {"libdevice (today)": "-", "v1 polynomials": "0", "v2 bits angle": "0",
+                        "no transform (words as uniforms)": "0"}
