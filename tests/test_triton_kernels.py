@@ -163,16 +163,21 @@ def test_errors_name_the_op():
 # --- the block path's tiles ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offset", [0, 1, 3, 4], ids=lambda o: f"offset{o}")
-def test_whole_and_partial_tiles_match_the_cpu_kernels(offset, monkeypatch):
+@pytest.mark.parametrize("offset,rows", [(0, "lanes"), (1, "lanes"), (3, "lanes"), (4, "lanes"), (0, "fours")],
+                         ids=lambda o: f"offset{o}" if isinstance(o, int) else o)
+def test_whole_and_partial_tiles_match_the_cpu_kernels(offset, rows, monkeypatch):
     """Rows longer than two tiles, whose tiles start at every lane and element alignment:
-    whole aligned tiles take the unmasked (vectorized) stores, the rest the masked ones;
-    and a grid split into launches of at most two rows (a grid's second dim is bounded)."""
+    whole aligned tiles take the unmasked (vectorized) stores - groups of eight for outputs
+    narrower than 4 bytes, of four for the others - the rest the masked ones; and a grid
+    split into launches of at most two rows (a grid's second dim is bounded)."""
     from compile_rng.stream import triton_kernels as tk
 
     monkeypatch.setattr(tk, "_GRID_ROWS", 2)
     tile = 4 * tk._BLOCKS
-    size, strides = [3, 2 * tile + 5], [2 * tile + 8 + 3, 1]  # rows start at lanes 0, 3, 2
+    if rows == "lanes":
+        size, strides = [3, 2 * tile + 5], [2 * tile + 8 + 3, 1]  # rows start at lanes 0, 3, 2
+    else:  # every row at lane 0, at elements 0, 4 and 0 mod 8: float32 tiles aligned, bfloat16 every other row
+        size, strides = [3, 2 * tile + 4], [2 * tile + 8, 1]
     key = ops.make_key(SEED, 2**64 - 4 * tile)  # the block counter carries past 2**32 and wraps
     with tk.recording() as seen:
         accelerator_ops.uniform(key, offset, size, strides, 0.0, 1.0, torch.float32)

@@ -247,9 +247,14 @@ def _stream_kernel(
         j0 = col.to(tl.int64) * TILE - (start & 3).to(tl.int64)  # the tile's first element in the row
         at = row_at + j0
         a = tl.arange(0, TILE)
-        if (j0 >= 0) & (j0 + TILE <= inner) & (at % 4 == 0):
-            # A whole tile, its groups of four aligned: unmasked stores, vectorized.
-            at = tl.multiple_of(at, 4)
+        # A whole tile's unmasked accesses are as wide as its alignment lets Triton make
+        # them: 16 bytes for 2-byte outputs only with groups of eight aligned. Not normal's
+        # (Triton would reorder its values through shared memory); and not a second branch
+        # for tiles at 4 mod 8 (ptxas merges it with this one at the narrower width).
+        ALIGN: tl.constexpr = 8 if (out_ptr.dtype.element_ty.primitive_bitwidth < 32) and (OP != 1) else 4
+        if (j0 >= 0) & (j0 + TILE <= inner) & (at % ALIGN == 0):
+            # A whole tile, its groups aligned: unmasked stores, vectorized.
+            at = tl.multiple_of(at, ALIGN)
             _emit(w, w_high, z, out_ptr + at, mask_ptr + at, in_ptr + at, a, None,
                   a_bits, b_bits, i_a, i_b, OP, BITS, CDT, BIG, MOD)
         else:
