@@ -165,6 +165,8 @@ def host_costs(n: int = 4096, reps: int = 300) -> str:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / reps * 1e6
 
+    static = _static_launch(step)
+    stream = torch.cuda.current_stream().cuda_stream
     x = torch.randn(64, n // 64, device=dev)
     rows = {
         "torch uniform_": lambda: out.uniform_(),
@@ -175,9 +177,12 @@ def host_costs(n: int = 4096, reps: int = 300) -> str:
         "accelerator_ops.uniform (no dispatch)": lambda: ao.uniform(key, 0, [n], [1], 0.0, 1.0, torch.float32),
         "triton_kernels.plan only": lambda: tk.plan(tk.UNIFORM, out, key, 0, [1], a=0.0, b=1.0),
         "Triton launch only": lambda: tk._stream_kernel[step.grid](*step.args, **constexprs, **tk.OPTIONS),
+        "torch's static CUDA launcher only": lambda: static(*step.grid, stream, *step.args),
         "torch F.dropout (stock)": lambda: F.dropout(x, 0.1),
     }
     lines = [f"  {name:<40}{per_call(fn):8.1f} us/call" for name, fn in rows.items()]
+    lines.append(f"  torch's static CUDA launcher, bitwise as Triton's launch (bfloat16 dropout, shard-window rows): "
+                 f"{_static_launches_agree(dev)}")
     # what an eager model pays: a dropout inside a step (its microbatch's rows of the batch)
     import compile_rng
 
@@ -198,6 +203,44 @@ def host_costs(n: int = 4096, reps: int = 300) -> str:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
     return "\n".join(lines) + f"\n\ncProfile of {reps} F.dropout calls in a step:\n" + text.getvalue()
+
+
+def _static_launch(step) -> Callable[..., None]:
+    """``step``'s kernel variant, compiled by a launch, as torch's static CUDA launcher
+    (Inductor's) launches it: the route to a draw without Triton's Python launcher."""
+    import tempfile
+
+    from compile_rng._torch import inductor_internals
+    from compile_rng.stream import triton_kernels as tk
+
+    compiled = tk._stream_kernel[step.grid](*step.args, **dict(step.constexprs), **tk.OPTIONS)
+    with tempfile.TemporaryDirectory() as cubins:
+        return inductor_internals.static_cuda_launch(inductor_internals.static_cuda_kernel(compiled),
+                                                     torch.cuda.current_device(), cubins)
+
+
+def _static_launches_agree(dev: torch.device) -> bool:
+    """A bfloat16 dropout over rows of a shard window (whole and partial tiles, two grid
+    launches) written by Triton's launches and by the static launcher's: the same bits."""
+    from compile_rng import ops
+    from compile_rng.stream import triton_kernels as tk
+
+    key = ops.make_key(3, 2**32 - 8, dev)
+    x = torch.randn(3, 5000, device=dev).bfloat16()
+    strides = [5003, 1]
+    outs = []
+    for static in (False, True):
+        out, mask = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool, device=dev)
+        for step in tk.plan(tk.DROPOUT, out, key, 1, strides, mask=mask, source=x, a=1 / 0.7,
+                            i_a=int(0.7 * 2**32)):
+            if static:
+                _static_launch(step)(*step.grid, torch.cuda.current_stream().cuda_stream, *step.args)
+            else:
+                tk._stream_kernel[step.grid](*step.args, **dict(step.constexprs), **tk.OPTIONS)
+        outs.append((out, mask))
+    torch.cuda.synchronize()
+    (a, a_mask), (b, b_mask) = outs
+    return bool(torch.equal(a, b) and torch.equal(a_mask, b_mask) and a_mask.any() and not a_mask.all())
 
 
 def ncu_launches(n: int) -> None:

@@ -236,3 +236,39 @@ def test_the_normal_transform_study_runs():
     launched = dict(re.findall(r"^\| ([^|]+?) \| (\d+|-) \|", run.stdout, re.M))
     assert launched == {"libdevice (today)": "-", "v1 polynomials": "0", "v2 bits angle": "0",
                         "no transform (words as uniforms)": "0"}
+
+
+_STATIC_ARG_TYPES = """
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from compile_rng import ops
+from compile_rng._torch import inductor_internals, triton_internals
+from compile_rng.stream import triton_kernels as tk
+
+x = torch.randn(4096).bfloat16()
+(step,) = tk.plan(tk.DROPOUT, torch.empty_like(x), ops.make_key(1, 0), 0, [1], mask=torch.empty(4096, dtype=torch.bool),
+                  source=x, a=2.0, i_a=5)
+bound = triton_internals.bind(tk._stream_kernel, 90, step.args, {**dict(step.constexprs), **tk.OPTIONS})
+kernel = inductor_internals.static_cuda_kernel(triton_internals.compiled_kernel(tk._stream_kernel, bound, 90))
+print(kernel.arg_tys, kernel.num_warps)
+"""
+
+
+def test_torchs_static_launcher_reads_the_kernels_arguments():
+    """The GPU check times the eager kernel launched by torch's static CUDA launcher
+    (Inductor's route past Triton's Python launcher, ``bench_gpu.py --host``): the launcher's
+    reading of a compiled sm_90 variant (no GPU: nothing loaded) takes one argument per
+    non-constexpr parameter of the kernel, typed as the kernel declares it - a pointer
+    for each tensor, int64 and int32 scalars as annotated - and the launch's warps."""
+    import subprocess
+    import sys
+
+    fn = triton_internals.jit_function(tk._stream_kernel)
+    codes = {"": "O", "i64": "l", "i32": "i"}  # the parameters as Triton reads their annotations
+    want = "".join(codes[p.annotation] for p in fn.params
+                   if not p.is_constexpr)
+    run = subprocess.run([sys.executable, "-c", _STATIC_ARG_TYPES], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [want, str(tk.OPTIONS["num_warps"])]
+    assert want == "OOOOlllliiilllllll"  # 4 tensors, then the scalars in the kernel's order

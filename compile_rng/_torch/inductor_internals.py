@@ -34,6 +34,8 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "inductor_options",
     "inductor_vector_isa",
     "rank_free_mesh_cache_keys",
+    "static_cuda_kernel",
+    "static_cuda_launch",
     "triton_block",
     "triton_compute_lines",
     "triton_consecutive_counters",
@@ -135,6 +137,36 @@ def inductor_options(mode: str | None, options: dict | None) -> dict:
             )
         patches[name] = value
     return patches
+
+
+def static_cuda_kernel(compiled: Any) -> Any:
+    """torch's C++ launcher's record of Triton's compiled CUDA kernel ``compiled`` (what
+    Inductor launches its kernels with instead of Triton's Python launcher): its
+    ``arg_tys`` hold one type code per non-constexpr argument. Loads nothing. Private:
+    ``torch._inductor.runtime.static_triton_launcher`` on 2.13 (``static_cuda_launcher``
+    in earlier releases); it reads ``_cubin_path``, which Inductor sets on the kernels it
+    compiles."""
+    try:
+        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    except ImportError:
+        from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
+    if not hasattr(compiled, "_cubin_path"):
+        compiled._cubin_path = None  # the cubin is written from the kernel's own bytes
+    return StaticallyLaunchedCudaKernel(compiled)
+
+
+def static_cuda_launch(kernel: Any, device: int, cubin_dir: str) -> Callable[..., None]:
+    """``launch(grid_x, grid_y, stream, *args)`` of :func:`static_cuda_kernel`'s ``kernel``
+    on CUDA device ``device``, its cubin written under ``cubin_dir``: ``args`` are the
+    kernel's non-constexpr arguments in order. For the GPU check's host-time comparison
+    (``benchmarks/bench_gpu.py --host``); no GPU has run it yet."""
+    kernel.reload_cubin_from_raw(f"{cubin_dir}/{kernel.name}_{kernel.hash}.cubin")
+    kernel.load_kernel(device)
+
+    def launch(grid_x: int, grid_y: int, stream: int, *args: Any) -> None:
+        kernel.run(grid_x, grid_y, 1, stream, *args)
+
+    return launch
 
 
 def _op_tables() -> tuple:

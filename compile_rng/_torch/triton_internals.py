@@ -88,14 +88,20 @@ def bind(kernel: Any, arch: int, args: tuple, kwargs: Mapping[str, Any]) -> Boun
     return Bound(dict(signature), dict(constexprs), dict(attrs), dict(opts.__dict__))
 
 
-def compile_for(kernel: Any, bound: Bound, arch: int) -> dict[str, Any]:
-    """Compile ``kernel``'s variant ``bound`` for GPU ``arch``; returns the stages'
-    outputs by name (``ttir``, ``ttgir``, ``llir``, ``ptx``, ``cubin``). Uses Triton's
-    on-disk cache (``TRITON_CACHE_DIR``) like a launch would."""
+def compiled_kernel(kernel: Any, bound: Bound, arch: int) -> Any:
+    """Triton's ``CompiledKernel`` of ``kernel``'s variant ``bound`` for GPU ``arch`` (not
+    loaded: no device needed). Uses Triton's on-disk cache (``TRITON_CACHE_DIR``) like a
+    launch would."""
     if not isinstance(kernel, JITFunction):
         raise RuntimeError("compile_rng: the AOT compile needs the kernels imported without TRITON_INTERPRET=1")
     src = ASTSource(kernel, bound.signature, bound.constexprs, bound.attrs)
-    return dict(triton.compile(src, target=target(arch), options=bound.options).asm)
+    return triton.compile(src, target=target(arch), options=bound.options)
+
+
+def compile_for(kernel: Any, bound: Bound, arch: int) -> dict[str, Any]:
+    """Compile ``kernel``'s variant ``bound`` for GPU ``arch``; returns the stages'
+    outputs by name (``ttir``, ``ttgir``, ``llir``, ``ptx``, ``cubin``)."""
+    return dict(compiled_kernel(kernel, bound, arch).asm)
 
 
 def ptxas(arch: int) -> str:
