@@ -93,7 +93,7 @@ class _GraphCall(RandomCall):
         self.node, self.op, self.key, self.offset, self.emitter = node, node.target, key, offset, emitter
         self.kw = normalized_arguments(node.target, node.args, node.kwargs)
         val = first_val(node)
-        self.dtype = val.dtype
+        self.dtype, self.device = val.dtype, val.device
         self.shape = drawn_global_shape(node)
         self.batch_dim, self.row_stride = batch_dim, row_stride
 
@@ -321,6 +321,12 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     else _GraphCall(node, op_key, base_value, emitter, batch_dim, plan.row_stride)
                 )
                 new = RULES[node.target](call)
+                if isinstance(new, tuple):  # drew nothing (dropout at p = 0 or 1): outputs by index
+                    for user in list(node.users):
+                        user.replace_all_uses_with(new[user.args[1]])
+                        graph.erase_node(user)
+                    graph.erase_node(node)
+                    continue
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),

@@ -20,7 +20,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from helpers import f32
+from helpers import f32, ulp_distance
 
 import compile_rng
 from compile_rng import ops
@@ -444,3 +444,58 @@ def test_real_ranks_draw_the_one_process_rows(tmp_path):
         rowwise = drawn[:-2] + drawn[-1:]
         for got, want in zip(rowwise, whole[:-2] + whole[-1:], strict=True):
             assert torch.equal(got, want[4 * rank:4 * rank + 4])
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_dropout_at_p_0_and_1_draws_nothing_eager_or_compiled(inner):
+    """Dropout in training at p = 1 (zeros, a mask of zeros) and p = 0 (the input, a mask of
+    ones) draws nothing, as eager F.dropout and torch's decomposition of a compiled one do:
+    the op after it draws at counter 0, eager and compiled, and the gradients agree. (A
+    compiled p = 1 dropout once reserved its counters, moving every later draw.)"""
+    def program(x):
+        return (torch.nn.functional.dropout(x, 1.0), *torch.native_dropout(x, 1.0, True),
+                *torch.native_dropout(x, 0.0, True), torch.rand_like(x))
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    want_rand = torch.tensor([ref.uniform01(41, i, "float32") for i in range(x.numel())]).view(x.shape)
+    results = []
+    for fn in (program, torch.compile(program, backend=compile_rng.backend(inner=inner))):
+        torch._dynamo.reset()
+        compile_rng.manual_seed(41)
+        leaf = x.clone().requires_grad_()
+        with compile_rng.step(4):
+            out = fn(leaf)
+            (out[0] + out[1] + out[3]).sum().backward()
+        assert compile_rng.get_state() == (41, x.numel())  # rand_like's counters alone
+        assert torch.equal(out[-1], want_rand)
+        results.append((*(o.detach() for o in out), leaf.grad))
+    eager, compiled = results
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(eager[1], torch.zeros_like(x)) and not eager[2].any()
+    assert torch.equal(eager[3], x) and eager[4].all()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_compiled_transcendental_draws_are_within_the_bound(inner):
+    """exponential_, log_normal_ (exp of a normal) and cauchy_ (tan of a uniform) in float32
+    compute their values from a draw by log, exp or tan: a compiled graph's (Inductor's own
+    vectorized functions) are within the documented 2 ulp of eager's, at the same counters
+    (the state agrees); the draws they start from are bitwise."""
+    def program(x):
+        # standard parameters: a median or mean would cancel digits and magnify the ulps
+        return (torch.empty_like(x).exponential_(), torch.empty_like(x).log_normal_(),
+                torch.empty_like(x).cauchy_(), torch.randn_like(x), torch.rand_like(x))
+
+    x = torch.zeros(64, 256)
+    results = []
+    for fn in (program, torch.compile(program, backend=compile_rng.backend(inner=inner))):
+        torch._dynamo.reset()
+        compile_rng.manual_seed(43)
+        with compile_rng.step(64):
+            results.append((fn(x), compile_rng.get_state()))
+    (eager, eager_state), (compiled, compiled_state) = results
+    assert eager_state == compiled_state
+    for name, a, b in zip(("exponential", "log_normal", "cauchy"), eager, compiled):
+        assert ulp_distance(a, b) <= 2, name
+    assert torch.equal(eager[3], compiled[3]) and torch.equal(eager[4], compiled[4])

@@ -139,6 +139,24 @@ class CompiledGraph:
             self.groups.extend(verify.groups_of(meshes, self.verify_over))
         verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
 
+    def _refuse_part_of_a_batch(self) -> None:
+        # Without batched=True the graph's ops draw at this call's own counters: in a step
+        # that gives the call part of the global batch (a data-parallel rank's rows, a
+        # microbatch), eager code draws at those rows and every rank or microbatch would draw
+        # the same values here
+        rows = current_rows() if self.plan.ops else None
+        if rows is None or (isinstance(rows, Rows) and rows.start == 0 and rows.count == rows.total):
+            return
+        ops = ", ".join(f"{op.original} at {op.source}" for op in self.plan.ops)
+        raise NotImplementedError(
+            f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) in a "
+            "compile_rng.step / microbatch that holds part of the step's global batch, but it was compiled "
+            "by a backend without batched=True: its ops would draw at this call's own counters, not at its "
+            "rows of the batch, so every data-parallel rank and microbatch would draw the same values "
+            "(eager code in the step draws at the rows). Compile with "
+            "compile_rng.backend(layout='invariant', batched=True)"
+        )
+
     def __call__(self, *args: Any) -> Any:
         namer = current_namer() if self.plan.ops else None
         if namer is not None and self.key_of is None:
@@ -159,6 +177,7 @@ class CompiledGraph:
         if self.check:
             self._check_ranks()
         if self.key_of is None:
+            self._refuse_part_of_a_batch()
             seed, offset = state.advance(self.advance(args), self.device)
             inputs = (make_key(seed, offset, self.device),)
         elif namer is None:

@@ -45,6 +45,7 @@ from compile_rng._torch.core_internals import (
 )
 from compile_rng.semantics import local_values
 from compile_rng.semantics.random_ops import (
+    draws_nothing,
     INPLACE,
     RULES,
     Form,
@@ -116,9 +117,10 @@ def op_device(func: OpOverload, args: tuple, kwargs: dict) -> torch.device:
 class _TensorCall(RandomCall):
     """A random op call on local tensors, replaced at dispatch time."""
 
-    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None):
+    def __init__(self, func, kw, key, offset, strides, size, dtype, out=None, device=None):
         self.op, self.kw, self.key, self.offset = func, kw, key, offset
         self._strides, self._size, self.dtype = strides, size, dtype
+        self.device = key.device if key is not None else device  # the key is made on the output's device
         self.out = out  # an in-place op's target: the values may be written straight into it
 
     def size(self):
@@ -255,6 +257,9 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     device = _out_device(kw)
     if device.type == "meta" or not draws(func, kw):  # nothing drawn (a shape; dropout's train=False)
         return stock(*args, **kwargs)
+    if draws_nothing(func, kw):  # the rule's values from the arguments alone, no counters reserved
+        x = kw["input"]
+        return RULES[func](_TensorCall(func, kw, None, 0, [], list(x.shape), x.dtype, device=device))
     form = functional_form(func)
     drawn, drawn_kw = (func, kw) if form is None or form.op is func else (form.op, _sibling_arguments(form, kw))
     try:

@@ -68,6 +68,7 @@ class RandomCall(ABC):
 
     op: OpOverload  # the functional overload
     dtype: torch.dtype  # output dtype
+    device: torch.device | None  # output device (None where only the arguments are checked)
     kw: dict  # the op's arguments by name (:func:`normalized_arguments`)
 
     def arg(self, name: str, default: Any = None) -> Any:
@@ -210,11 +211,31 @@ def _bernoulli_tensor(call: RandomCall) -> Any:
     return call.emit(cr.bernoulli_tensor.default, p, call.strides(), call.dtype)
 
 
+def _filled(call: RandomCall, value: Any, dtype: torch.dtype) -> Any:
+    """A contiguous tensor of the output's shape holding ``value``, from ops Inductor lowers
+    as they are (it decomposes full_like, zeros_like and ones_like before a pass sees them)."""
+    scalar = call.apply(aten.scalar_tensor.default, value, dtype=dtype, device=call.device)
+    return call.apply(aten.clone.default, call.apply(aten.expand.default, scalar, call.size()),
+                      memory_format=torch.contiguous_format)
+
+
 def _dropout(call: RandomCall) -> Any:
-    if call.arg("train", True) is False:  # ATen: the input (a copy) and a mask of ones
-        x = call.arg("input")
-        return call.apply(aten.clone.default, x), call.apply(aten.ones_like.default, x, dtype=torch.bool)
-    return call.emit(cr.dropout.default, call.arg("input"), call.strides(), _probability(call, "p"))
+    """dropout's ``(output, mask)``; where :func:`draws_nothing` says so, values from the
+    arguments alone (a tuple of tensors, not a draw's output)."""
+    x = call.arg("input")
+    if draws_nothing(call.op, call.kw):
+        if call.arg("train", True) is False or call.arg("p") == 0:  # the input (a copy), a mask of ones
+            return call.apply(aten.clone.default, x), _filled(call, True, torch.bool)
+        return _filled(call, 0, call.dtype), _filled(call, False, torch.bool)  # p = 1: zeros, a mask of zeros
+    return call.emit(cr.dropout.default, x, call.strides(), _probability(call, "p"))
+
+
+def draws_nothing(op: OpOverload, kw: dict) -> bool:
+    """Whether random op ``op``'s rule computes its values from the arguments ``kw`` alone:
+    dropout out of training or at p = 0 or 1, where torch's decomposition (a compiled
+    F.dropout's) and eager F.dropout's ``_dropout_impl`` draw nothing. Reserving counters
+    there would move the stream under every later op in a graph but not in eager code."""
+    return op_name(op) == "native_dropout" and (kw.get("train") is False or kw.get("p") in (0.0, 1.0))
 
 
 def _rrelu(call: RandomCall) -> tuple[Any, Any]:
