@@ -97,6 +97,34 @@ def test_a_stock_inductor_graph_in_a_step_is_named():
             fn(x)
 
 
+def test_an_unbatched_graph_on_part_of_the_batch_is_refused():
+    """A graph compiled without batched=True draws at its call's own counters: over the
+    step's whole batch those are the eager ones (the same values and state); on a
+    microbatch or a data-parallel rank's rows it would draw every part alike (the same
+    masks for every microbatch), so it raises naming the op and batched=True, and the
+    stream does not move."""
+    torch._dynamo.reset()
+    x = torch.ones(8, 4)
+    fn = torch.compile(lambda t: F.dropout(t, 0.5), backend="compile_rng")
+    results = []
+    for run in (fn, lambda t: F.dropout(t, 0.5)):
+        compile_rng.manual_seed(3)
+        with compile_rng.step(8):
+            results.append((run(x), compile_rng.get_state()))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+    for step in ({"rows": [4, 5, 6, 7], "global_batch": 8}, {"microbatch": 4}):
+        compile_rng.manual_seed(3)
+        with pytest.raises(NotImplementedError, match=r"aten\.native_dropout.*part of the step's global batch"
+                                                      r".*batched=True"):
+            if "microbatch" in step:
+                with compile_rng.step(8) as s, s.microbatch(4):
+                    fn(x[:4])
+            else:
+                with compile_rng.step(4, **step):
+                    fn(x[:4])
+        assert compile_rng.get_state() == (3, 0)
+
+
 # --- collectives on the process group's device (NCCL without a GPU) ----------------------
 
 
