@@ -143,13 +143,11 @@ def static_cuda_kernel(compiled: Any) -> Any:
     """torch's C++ launcher's record of Triton's compiled CUDA kernel ``compiled`` (what
     Inductor launches its kernels with instead of Triton's Python launcher): its
     ``arg_tys`` hold one type code per non-constexpr argument. Loads nothing. Private:
-    ``torch._inductor.runtime.static_triton_launcher`` on 2.13 (``static_cuda_launcher``
-    in earlier releases); it reads ``_cubin_path``, which Inductor sets on the kernels it
-    compiles."""
-    try:
-        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
-    except ImportError:
-        from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
+    ``torch._inductor.runtime.static_triton_launcher`` (run on 2.13; its source read for
+    2.11 and 2.15, the same constructor and ``run``); it reads ``_cubin_path``, which
+    Inductor sets on the kernels it compiles."""
+    from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+
     if not hasattr(compiled, "_cubin_path"):
         compiled._cubin_path = None  # the cubin is written from the kernel's own bytes
     return StaticallyLaunchedCudaKernel(compiled)
