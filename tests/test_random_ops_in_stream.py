@@ -474,6 +474,12 @@ def test_dropout_at_p_0_and_1_draws_nothing_eager_or_compiled(inner):
         assert torch.equal(a, b)
     assert torch.equal(eager[1], torch.zeros_like(x)) and not eager[2].any()
     assert torch.equal(eager[3], x) and eager[4].all()
+    # the out= overload (reached through torch.ops only) writes the same and reserves nothing
+    compile_rng.manual_seed(41)
+    outs = torch.full_like(x, 7.0), torch.ones_like(x, dtype=torch.bool)
+    with compile_rng.step(4):
+        torch.ops.aten.native_dropout.out(x, 1.0, True, out0=outs[0], out1=outs[1])
+    assert compile_rng.get_state() == (41, 0) and torch.equal(outs[0], eager[1]) and not outs[1].any()
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])

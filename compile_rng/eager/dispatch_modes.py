@@ -257,9 +257,6 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     device = _out_device(kw)
     if device.type == "meta" or not draws(func, kw):  # nothing drawn (a shape; dropout's train=False)
         return stock(*args, **kwargs)
-    if draws_nothing(func, kw):  # the rule's values from the arguments alone, no counters reserved
-        x = kw["input"]
-        return RULES[func](_TensorCall(func, kw, None, 0, [], list(x.shape), x.dtype, device=device))
     form = functional_form(func)
     drawn, drawn_kw = (func, kw) if form is None or form.op is func else (form.op, _sibling_arguments(form, kw))
     try:
@@ -269,6 +266,8 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
                 stock(*args, **kwargs)
         if dtype.is_complex:
             result = _draw_complex(counters, drawn, drawn_kw, size, dtype)
+        elif draws_nothing(drawn, drawn_kw):  # the rule's values from the arguments alone: nothing reserved
+            result = RULES[drawn](_TensorCall(drawn, drawn_kw, None, 0, [], size, dtype, device=device))
         else:
             result = _draw_at(counters, drawn, drawn_kw, size, dtype, device)
     except RandomArgumentError as refused:
