@@ -69,6 +69,7 @@ from compile_rng.semantics.random_ops import (
     RULES,
     RandomCall,
     draws,
+    draws_nothing,
     counter_shape,
     is_random,
     normalized_arguments,
@@ -321,7 +322,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     else _GraphCall(node, op_key, base_value, emitter, batch_dim, plan.row_stride)
                 )
                 new = RULES[node.target](call)
-                if isinstance(new, tuple):  # drew nothing (dropout at p = 0 or 1): outputs by index
+                if draws_nothing(node.target, call.kw):  # values from the arguments (dropout at p = 0, 1)
                     for user in list(node.users):
                         user.replace_all_uses_with(new[user.args[1]])
                         graph.erase_node(user)
