@@ -57,8 +57,8 @@ class BatchRows:
                 f"batched graph, whose random ops must all have the batch at dim {dim} (the step's batch_dim)"
             )
         if module is not None and not module[1] and len(global_shape) > 1:
-            self._tell_apart(
-                node, global_shape[0], global_shape[1],
+            self._assume(
+                global_shape[0] - global_shape[1], False,
                 f"{node.target} at {source_of(node)} in torch's {module[0]} draws on a tensor of shape "
                 f"{tuple(global_shape)} in a batched graph: {module[0]} runs sequence-major activations "
                 "(seq, batch, ...) unless batch-first, and with the sequence as long as the batch the graph "
@@ -66,8 +66,8 @@ class BatchRows:
                 "its layout there), or give it a sequence of another length",
             )
         if module is None and dim != 0 and len(global_shape) >= 4:
-            self._tell_apart(
-                node, global_shape[0], global_shape[dim],
+            self._assume(
+                global_shape[0] - global_shape[dim], False,
                 f"{node.target} at {source_of(node)} draws on a tensor of shape {tuple(global_shape)} in a batched "
                 f"graph compiled in a step with batch_dim={dim}: dims 0 and {dim} have one size, so the graph "
                 "cannot tell whether this op is sequence-major as the step declares or batch-major "
@@ -82,14 +82,16 @@ class BatchRows:
             )
         return dim
 
-    def _tell_apart(self, node: fx.Node, a: sympy.Expr, b: sympy.Expr, why: str) -> None:
-        """Refuse ``why`` where sizes ``a`` and ``b`` are one; where they are symbols that
-        differ only in this trace, the runtime refuses a call that makes them one."""
-        difference = sympy.expand(a - b)
-        if difference == 0:
-            raise NotImplementedError(f"compile_rng: {why}")
+    def _assume(self, difference: sympy.Expr, equal: bool, why: str) -> None:
+        """Take sizes whose ``difference`` is 0 (``equal``) or is not: refuse ``why`` where the
+        trace's sizes say otherwise; where they are symbols, which Dynamo's automatic
+        dynamic shapes gives each input's dim apart, the runtime refuses a call whose sizes
+        say otherwise (:class:`~compile_rng.compiled.runtime.BatchKey`)."""
+        difference = sympy.simplify(difference)
         if difference.free_symbols:
-            self.plan.told_apart.append((difference, why))
+            self.plan.size_guards.append((difference, equal, why))
+        elif (difference == 0) != equal:
+            raise NotImplementedError(f"compile_rng: {why}")
 
     def row_numel(self, node: fx.Node, global_shape: tuple, dim: int) -> sympy.Expr:
         """Elements per batch row of an op whose (DTensor-global) shape ``global_shape`` has
@@ -97,12 +99,13 @@ class BatchRows:
         rows = global_shape[dim]
         if self.plan.local_rows is None:
             self.plan.local_rows = rows
-        elif sympy.simplify(rows - self.plan.local_rows) != 0:
-            raise NotImplementedError(
-                f"compile_rng: {node.target} at {source_of(node)} has dim {dim} of size {rows}, but this "
-                f"batched graph's batch has {self.plan.local_rows} rows: in a batched backend every random "
-                f"op must have the batch at dim {dim} (the step's batch_dim, or torch's module's layout); "
-                "draw other randomness outside the batched region"
+        else:
+            self._assume(
+                rows - self.plan.local_rows, True,
+                f"{node.target} at {source_of(node)} has dim {dim} of size {rows}, but this batched graph's "
+                f"batch has {self.plan.local_rows} rows: in a batched backend every random op must have the "
+                f"batch at dim {dim} (the step's batch_dim, or torch's module's layout); draw other randomness "
+                "outside the batched region",
             )
         return sympy.Mul(*(s for i, s in enumerate(global_shape) if i != dim))
 

@@ -100,9 +100,11 @@ class RngPlan:
     #: graph compiled in declared it (``compile_rng.step(batch_dim=)``), a constant of the
     #: ops' counter strides; torch's batch-major modules (nn.MultiheadAttention) draw at dim 0
     batch_dim: int = 0
-    #: batched graphs: size expressions the pass took for different (which dim is the
-    #: batch), with the op they decide; a call where one is 0 is refused
-    told_apart: list[tuple[sympy.Expr, str]] = field(default_factory=list)
+    #: batched graphs: what the pass assumed of size symbols that differ only in this trace,
+    #: as ``(difference, equal, why)``: that ``difference`` is 0 (``equal``: two ops' batch
+    #: sizes, which Dynamo's automatic dynamic shapes gives a symbol each) or is not (which
+    #: dim is the batch); a call where the assumption fails is refused with ``why``
+    size_guards: list[tuple[sympy.Expr, bool, str]] = field(default_factory=list)
     #: positions among the traced graph's inputs (the key not counted) that a plain-tensor
     #: random op's tensor is computed from, and how many inputs that graph has: the
     #: backend refuses a tensor-parallel rank's local piece there (compile_rng.semantics.local_values)

@@ -198,6 +198,40 @@ def test_outside_a_step_the_call_is_the_whole_batch(compiled, single):
     assert torch.equal(out, single[0])
 
 
+def test_two_batch_inputs_after_a_dynamic_recompile_draw_the_stream():
+    """At a second batch size Dynamo recompiles with dynamic shapes and gives each input's
+    batch dim a size symbol of its own: the graph takes the two for one batch and checks it
+    at every call. Both sizes, in microbatches, draw the scalar reference at the global
+    counters; a call whose inputs disagree on the batch is refused and draws nothing."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn = torch.compile(lambda x, p: (F.dropout(x, P), torch.bernoulli(p)),
+                       backend=compile_rng.backend(layout="invariant", batched=True))
+    for rows in (4, 6):
+        g = torch.Generator().manual_seed(rows)
+        x = torch.rand(rows, D, generator=g, dtype=torch.float64) + 0.5
+        p = torch.rand(rows, D, generator=g, dtype=torch.float64)
+        compile_rng.manual_seed(SEED)
+        parts = []
+        with compile_rng.step(rows) as step:
+            for part in (slice(0, rows // 2), slice(rows // 2, rows)):
+                with step.microbatch(rows // 2):
+                    parts.append(fn(x[part], p[part]))
+        advance = 4 * -(-rows * D // 4)
+        keep = torch.tensor([ref.keep_bernoulli(SEED, i, 1 - P) for i in range(rows * D)]).view(rows, D)
+        drawn = torch.tensor([ref.keep_bernoulli(SEED, advance + i, q) for i, q in enumerate(p.flatten().tolist())])
+        dropped = torch.cat([d for d, _ in parts])
+        assert torch.equal(dropped != 0, keep)
+        assert (dropped - x * keep / (1 - P)).abs().max() < 1e-12
+        assert torch.equal(torch.cat([b for _, b in parts]), drawn.view(rows, D).to(torch.float64))
+        assert compile_rng.get_state() == (SEED, 2 * advance)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the second size: one dynamic graph
+    compile_rng.manual_seed(SEED)
+    with pytest.raises(NotImplementedError, match=r"bernoulli.*but this batched graph's batch has .*this call's sizes"):
+        fn(torch.ones(5, D, dtype=torch.float64), torch.rand(3, D, dtype=torch.float64))
+    assert compile_rng.get_state() == (SEED, 0)
+
+
 # --- errors ------------------------------------------------------------------------
 
 

@@ -94,7 +94,7 @@ def _renamed(plan: RngPlan, renames: dict[sympy.Symbol, sympy.Symbol]) -> RngPla
     ]
     return dataclasses.replace(
         plan, ops=ops, total_advance=rename(plan.total_advance), local_rows=rename(plan.local_rows),
-        told_apart=[(rename(e), why) for e, why in plan.told_apart],
+        size_guards=[(rename(e), equal, why) for e, equal, why in plan.size_guards],
     )
 
 

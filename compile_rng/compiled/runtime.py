@@ -31,7 +31,7 @@ class BatchKey:
         self.batch_dim = plan.batch_dim
         self.draws = plan.local_rows is not None  # a graph without random ops has no batch
         self.local_rows = SizeFn(plan.local_rows if self.draws else 0, placeholders)
-        self.told_apart = [(SizeFn(e, placeholders), why) for e, why in plan.told_apart]
+        self.size_guards = [(SizeFn(e, placeholders), equal, why) for e, equal, why in plan.size_guards]
 
     def rows(self, args: Sequence[Any]) -> Rows:
         count = self.local_rows(args)
@@ -47,8 +47,8 @@ class BatchKey:
                 "constant of the graph's counters. Keep one batch dim per compiled function (compile another "
                 "function for the other), or call torch._dynamo.reset() between them"
             )
-        for difference, why in self.told_apart:
-            if difference(args) == 0:
+        for difference, equal, why in self.size_guards:
+            if (difference(args) == 0) != equal:
                 raise NotImplementedError(f"compile_rng: {why} (this call's sizes)")
         if rows.count != count:
             raise ValueError(
