@@ -263,6 +263,18 @@ def _note_draw_inputs(graph: fx.Graph, plain_sites: list[fx.Node], plan: RngPlan
     plan.draw_inputs, plan.traced_inputs = tuple(sorted(found)), len(inputs) - added
 
 
+def _values_from_arguments(node: fx.Node, key: fx.Node, emitter: SymEmitter) -> None:
+    """Replace random op ``node``, whose rule computes its values from its arguments
+    (:func:`~compile_rng.semantics.random_ops.draws_nothing`: dropout at p = 0 or 1), by
+    them; it reserves no counters, as eager code's."""
+    with node.graph.inserting_before(node):
+        new = RULES[node.target](_GraphCall(node, key, 0, emitter))
+    for user in list(node.users):  # the tuple's getitems
+        user.replace_all_uses_with(new[user.args[1]])
+        node.graph.erase_node(user)
+    node.graph.erase_node(node)
+
+
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
     sites = [n for n in graph.nodes if _draws(n) or n.target is pending_key]
     if not sites:
@@ -284,6 +296,9 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 if not plan.collect_unsupported:
                     raise
                 plan.unsupported.append(Unsupported(str(node.target), source_of(node), str(e)))
+                continue
+            if draws_nothing(node.target, normalized_arguments(node.target, node.args, node.kwargs)):
+                _values_from_arguments(node, key, emitter)
                 continue
         info = node.meta[SITE] if pending else None
         global_shape = (
@@ -322,12 +337,6 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                     else _GraphCall(node, op_key, base_value, emitter, batch_dim, plan.row_stride)
                 )
                 new = RULES[node.target](call)
-                if draws_nothing(node.target, call.kw):  # values from the arguments (dropout at p = 0, 1)
-                    for user in list(node.users):
-                        user.replace_all_uses_with(new[user.args[1]])
-                        graph.erase_node(user)
-                    graph.erase_node(node)
-                    continue
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
