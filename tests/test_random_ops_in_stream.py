@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import reference as ref
@@ -421,8 +422,17 @@ def _real_ranks_body(rank: int, world: int, out: str) -> None:
     compile_rng.manual_seed(12)
     with compile_rng.step(local, data_parallel=dist.group.WORLD):
         drawn = _real_ranks_draws(local, slice(rank * local, (rank + 1) * local))
+    position = compile_rng.get_state()
+    # a graph compiled without batched=True on the rank's rows would draw every rank alike
+    unbatched = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5), backend=compile_rng.backend(inner="aot_eager"))
+    try:
+        with compile_rng.step(local, data_parallel=dist.group.WORLD):
+            unbatched(torch.ones(local, 4))
+        refused = ""
+    except NotImplementedError as e:
+        refused = str(e)
     gathered = [None] * world
-    dist.all_gather_object(gathered, (drawn, compile_rng.get_state()))
+    dist.all_gather_object(gathered, (drawn, position, refused, compile_rng.get_state()))
     if rank == 0:
         torch.save(gathered, out)
 
@@ -431,15 +441,17 @@ def _real_ranks_body(rank: int, world: int, out: str) -> None:
 def test_real_ranks_draw_the_one_process_rows(tmp_path):
     """Two gloo ranks of 4 rows each (their rows from the process group): each sampler's and
     rrelu's rows are the one process's rows of the 8, the permutation is one replica, and
-    the stream ends where the one process's does."""
+    the stream ends where the one process's does. A graph compiled without batched=True is
+    refused on a rank's rows, and the stream does not move."""
     out = str(tmp_path / "ranks.pt")
     spawn(_real_ranks_body, 2, out)
     gathered = torch.load(out)
     compile_rng.manual_seed(12)
     with compile_rng.step(8):
         whole = _real_ranks_draws(8, slice(None))
-    for rank, (drawn, position) in enumerate(gathered):
-        assert position == compile_rng.get_state()
+    for rank, (drawn, position, refused, after) in enumerate(gathered):
+        assert position == after == compile_rng.get_state()
+        assert re.search(r"aten\.native_dropout.*part of the step's global batch.*batched=True", refused, re.S), refused
         assert torch.equal(drawn[-2], whole[-2])  # randperm: no rows
         rowwise = drawn[:-2] + drawn[-1:]
         for got, want in zip(rowwise, whole[:-2] + whole[-1:], strict=True):
