@@ -153,12 +153,13 @@ def _standard_normal(call: RandomCall, mean: float = 0.0, std: float = 1.0) -> A
 
 def _normal(call: RandomCall) -> Any:
     mean, std = call.arg("mean", 0.0), call.arg("std", 1.0)
-    if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+    if isinstance(std, (int, float)):  # ATen refuses a negative or NaN std with a tensor mean too
         if not std >= 0:
             call.fail(f"std={std} is negative", "pass std >= 0")
-        return _standard_normal(call, float(mean), float(std))
-    if _values_known(std) and not bool(std.min() >= 0):  # ATen: every element, NaN refused
+    elif _values_known(std) and not bool(std.min() >= 0):  # ATen: every element, NaN refused
         call.fail("an element of std is negative", "pass std >= 0")
+    if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+        return _standard_normal(call, float(mean), float(std))
     # tensor mean and/or std: z * std + mean, broadcast like aten.normal
     z = _standard_normal(call)
     return call.apply(aten.add.Tensor, call.apply(aten.mul.Tensor, z, std), mean)
