@@ -68,6 +68,21 @@ REFUSED = {
         torch.ones(4, 3), torch.zeros(4, 3, dtype=torch.float64), 0.1, 0.3, True),
     "rrelu_with_noise int64": lambda: torch.ops.aten.rrelu_with_noise(
         torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 0.1, 0.3, True),
+    # what torch's kernels refuse by dtype, shape or memory before they draw
+    "bernoulli int64 p": lambda: torch.bernoulli(torch.ones(3, dtype=torch.int64)),
+    "bernoulli_ tensor p = 2": lambda: torch.empty(3).bernoulli_(torch.tensor([0.5, 2.0, 0.1])),
+    "bernoulli_ tensor p of another shape": lambda: torch.empty(3).bernoulli_(torch.full((4,), 0.5)),
+    "poisson int64 rates": lambda: torch.poisson(torch.ones(2, dtype=torch.int64)),
+    "randperm bool": lambda: torch.randperm(2, dtype=torch.bool),
+    "geometric_ bool": lambda: torch.empty(3, dtype=torch.bool).geometric_(0.5),
+    "native_dropout int64": lambda: torch.native_dropout(torch.ones(3, dtype=torch.int64), 0.5, True),
+    "multinomial more samples than categories": lambda: torch.multinomial(torch.ones(0), 1),
+    "normal mean and std do not broadcast": lambda: torch.normal(torch.zeros(3), torch.ones(4)),
+    "uniform_ on an expanded tensor": lambda: torch.ones(1).expand(3).uniform_(),
+    "random_ on an expanded tensor": lambda: torch.ones(1).expand(3).random_(0, 5),
+    "normal out int64": lambda: torch.normal(torch.zeros(3), 1.0, out=torch.empty(3, dtype=torch.int64)),
+    "multinomial out float32": lambda: torch.multinomial(torch.tensor([1.0, 2.0]), 1, out=torch.empty(1)),
+    "rand_like int64, empty": lambda: torch.rand_like(torch.ones(0, 5, dtype=torch.int64)),
 }
 
 ACCEPTED = {
@@ -95,6 +110,7 @@ ACCEPTED = {
     "gamma": lambda: torch._standard_gamma(torch.tensor([0.3, 4.0])),
     "dirichlet": lambda: torch._sample_dirichlet(torch.tensor([[0.3, 4.0, 1.0]])),
     "rrelu bfloat16": lambda: torch.nn.functional.rrelu(torch.ones(3, dtype=torch.bfloat16), training=True),
+    "bernoulli complex64, empty": lambda: torch.bernoulli(torch.ones(0, 3, dtype=torch.complex64)),
     "rrelu_with_noise strided noise": lambda: torch.ops.aten.rrelu_with_noise(torch.ones(4, 3), torch.zeros(3, 4).t(),
                                                                               0.1, 0.3, True),
 }

@@ -411,6 +411,46 @@ def test_a_draw_under_a_users_dispatch_mode(monkeypatch):
     _assert_same((*lane, []), (*general, []))
 
 
+def _tensor_arguments() -> list[torch.Tensor]:
+    """bernoulli with tensor ``p`` (its elements 0 and 1 too) and normal with a tensor mean,
+    std or both, at a rank's rows, in microbatches and in a replica stream; and what the
+    short path leaves to the general path: an element that is no probability or a negative
+    std (torch's error), shapes that broadcast, float64."""
+    p = torch.linspace(0, 1, 4 * 3 * 5).view(4, 3, 5)
+    out = []
+    with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=8):
+        out += [torch.bernoulli(p), torch.normal(p, p * 2), torch.normal(p, 0.5), torch.normal(-1.0, p)]
+    with compile_rng.step(8) as step:
+        for _ in range(2):
+            with step.microbatch(4):
+                out += [torch.bernoulli(p), torch.normal(p - 0.5, p)]
+    with eager_stream():
+        out += [torch.bernoulli(p[0]), torch.normal(p[0], p[0])]
+    with compile_rng.step(4):
+        for bad in (lambda: torch.bernoulli(p + 0.5), lambda: torch.normal(p, p - 0.5),
+                    lambda: torch.normal(p, float("nan"))):
+            with pytest.raises(RuntimeError) as refused:
+                bad()
+            out.append(torch.tensor([len(str(refused.value))]))  # the same message both ways
+        out += [torch.normal(p, p[:1]), torch.bernoulli(p.double()), torch.normal(p.double(), 1.0)]
+    return out
+
+
+def test_tensor_arguments_take_the_short_path_with_the_general_paths_values(monkeypatch):
+    """bernoulli(p) and normal(mean, std) with tensors: the short path serves the 10 plain
+    calls (and nothing else) and draws the general path's values, stream position and
+    counters."""
+    served: list = []
+    reserve = short_draws._reserve
+    monkeypatch.setattr(short_draws, "_reserve", lambda func, *a, **k: served.append(func) or reserve(func, *a, **k))
+    short, general, _ = _both_ways(_tensor_arguments, monkeypatch)
+    assert [f.name() for f in served] == (
+        ["aten::bernoulli", "aten::normal.Tensor_Tensor", "aten::normal.Tensor_float", "aten::normal.float_Tensor"]
+        + ["aten::bernoulli", "aten::normal.Tensor_Tensor"] * 2 + ["aten::bernoulli", "aten::normal.Tensor_Tensor"]
+    )
+    _assert_same(short, general)
+
+
 SEED, GLOBAL, ROW = 29, 8, (3, 5)  # a global batch of 8 rows of 3x5 elements
 
 
@@ -456,12 +496,21 @@ def _assert_reference(drawn: list[torch.Tensor], first_row: int) -> None:
 
 def test_the_short_path_draws_the_references_values_at_a_ranks_rows(monkeypatch):
     served: list = []
-    _counting(monkeypatch, served, ("fast_f32", "normal_f32"))
+    _counting(monkeypatch, served, ("fast_f32", "normal_f32", "integers"))
     compile_rng.manual_seed(SEED)
     with compile_rng.step(4, rows=[4, 5, 6, 7], global_batch=GLOBAL):
         drawn = _draws(4)
-    assert len(served) == 8
-    _assert_reference(drawn, first_row=4)
+        p = torch.linspace(0, 1, 4 * ROW[0] * ROW[1]).view(4, *ROW)
+        drawn += [torch.bernoulli(p), torch.normal(p, p * 2)]
+    assert len(served) == 10
+    _assert_reference(drawn[:-2], first_row=4)
+    # the two tensor-argument draws after the eight: rows 4-7 of theirs
+    inner = ROW[0] * ROW[1]
+    counters = [8 * GLOBAL * inner + 4 * inner + i for i in range(4 * inner)]
+    keep = [float(ref.keep_bernoulli(SEED, n, q)) for n, q in zip(counters, p.flatten().tolist())]
+    assert torch.equal(drawn[-2], torch.tensor(keep).view(p.shape))
+    normal = torch.tensor([ref.normal_std(SEED, GLOBAL * inner + n) for n in counters], dtype=torch.float64)
+    assert torch.allclose(drawn[-1].double(), normal.view(p.shape) * p.double() * 2 + p.double(), rtol=4e-6, atol=4e-6)
 
 
 def _gloo_body(rank: int, world: int, out: str) -> None:

@@ -41,6 +41,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "get_proxy_mode",
     "higher_order_op_name",
     "in_backward",
+    "has_internal_overlap",
     "insert_dispatch_mode",
     "is_run_with_rng_state",
     "op_arguments",
@@ -174,6 +175,14 @@ def remove_dispatch_mode(mode: TorchDispatchMode) -> None:
         above.append(top)
     for other in reversed(above):
         _push_mode(other)
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded view): torch refuses an
+    in-place random op there before it draws, so the stream must refuse it before it
+    reserves counters. ``torch._debug_has_internal_overlap`` (2.11.0-2.15.0: 0 no, 1
+    yes, 2 too hard to tell, which torch's kernels then accept) is ATen's own test."""
+    return torch._debug_has_internal_overlap(t) == 1
 
 
 # --- dispatch: compile_rng's kernels for torch's random ops ------------------------------

@@ -34,6 +34,7 @@ from compile_rng._torch.core_internals import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,
+    has_internal_overlap,
     dispatch_mode_stack,
     higher_order_op_name,
     insert_dispatch_mode,
@@ -80,7 +81,11 @@ def _out_shape_dtype(func: OpOverload, kw: dict) -> tuple[list, torch.dtype]:
         return [int(kw["n"])], kw.get("dtype") or torch.int64
     if isinstance(kw.get("mean"), torch.Tensor) or isinstance(kw.get("std"), torch.Tensor):
         tensors = [t for t in (kw.get("mean"), kw.get("std")) if isinstance(t, torch.Tensor)]
-        return list(torch.broadcast_shapes(*(t.shape for t in tensors))), tensors[0].dtype
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        except RuntimeError:  # torch's own error says it in its words (_torch_refusal)
+            raise RandomArgumentError(f"compile_rng: {func}: mean and std do not broadcast") from None
+        return list(shape), tensors[0].dtype
     if "num_samples" in kw:  # multinomial
         out = [*kw["input"].shape[:-1], int(kw["num_samples"])]
         return list(counter_shape(func, kw, out, lambda t: t.shape)), torch.int64
@@ -259,9 +264,11 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
         return stock(*args, **kwargs)
     form = functional_form(func)
     drawn, drawn_kw = (func, kw) if form is None or form.op is func else (form.op, _sibling_arguments(form, kw))
+    size = None
     try:
         size, dtype = _out_shape_dtype(drawn, drawn_kw)
-        if any(n < 0 for n in size):  # torch refuses the shape before it draws: its error, not the rows'
+        if any(n < 0 for n in size) or _refused_by_its_outputs(func, kw, stock):
+            # torch refuses the shape or what it writes before it draws: its error, not the rows'
             with random_kernels.drawing(None):
                 stock(*args, **kwargs)
         if dtype.is_complex:
@@ -271,18 +278,25 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
         else:
             result = _draw_at(counters, drawn, drawn_kw, size, dtype, device)
     except RandomArgumentError as refused:
+        if size is not None and math.prod(size) == 0:  # torch draws nothing: its outcome (its kernels
+            with random_kernels.drawing(None):       # may skip a check an empty tensor needs no more)
+                return stock(*args, **kwargs)
         raise _torch_refusal(func, kw, stock) or refused from None
     if form is not None and form.outs:
-        outs = [kw[name] for name in form.outs]
-        values = result if isinstance(result, tuple) else (result,)
-        if any(out.dtype != value.dtype for out, value in zip(outs, values)):
-            refusal = _torch_refusal(func, kw, stock)  # torch decides which outputs take a cast
-            if refusal is not None:
-                raise refusal
-        return _written(result, outs)
+        return _written(result, [kw[name] for name in form.outs])
     if "memory_format" in drawn_kw:
         return _like_layout(result, drawn_kw)
     return result
+
+
+def _refused_by_its_outputs(func: OpOverload, kw: dict, stock: Callable) -> bool:
+    """Whether torch refuses what ``func`` writes before it draws, as its kernels check
+    first: an in-place target whose elements share memory, or (``out=``) outputs it will
+    not cast to (:func:`_torch_refusal` asks torch, one element each)."""
+    if func in INPLACE and isinstance(kw.get("input"), torch.Tensor) and has_internal_overlap(kw["input"]):
+        return True
+    form = functional_form(func)
+    return form is not None and bool(form.outs) and _torch_refusal(func, kw, stock) is not None
 
 
 def _draw_at(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: torch.dtype, device) -> Any:
@@ -355,7 +369,11 @@ def _draw_complex(counters: Callable, func: OpOverload, kw: dict, size: list, dt
     functional = INPLACE.get(func, func)
     fill = _COMPLEX_FILLS.get(functional)
     if fill is None:
-        raise RandomArgumentError(f"compile_rng: {func}: dtype {dtype} is not drawn by this op")
+        raise RandomArgumentError(
+            f"compile_rng: {func}: dtype {dtype} is not drawn by this op in the stream (complex values are drawn by "
+            "rand, randn and the in-place uniform_ and normal_); draw the real view "
+            "(torch.view_as_real(t).normal_(...)) instead, or draw outside the stream"
+        )
     if counters is not plain_counters:
         raise NotImplementedError(
             f"compile_rng: {func} on a complex DTensor or tensor-parallel piece: its shard layout is not "
@@ -393,7 +411,10 @@ def _torch_refusal(func: OpOverload, kw: dict, stock: Callable) -> BaseException
         one["size"] = [1]
     target = one.get("input")
     if isinstance(target, torch.Tensor) and (func in INPLACE or op_name(func) in _TEMPLATES):
-        one["input"] = torch.empty(1, dtype=target.dtype, device=target.device)
+        # a scratch target: of one element, or of the target's shape where another tensor
+        # (bernoulli_'s p) must expand to it
+        others = any(isinstance(v, torch.Tensor) for name, v in one.items() if name != "input")
+        one["input"] = torch.empty(target.shape if others else 1, dtype=target.dtype, device=target.device)
     positional, keywords = [], {}
     for argument in op_arguments(func):
         name = "input" if argument.name == "self" else argument.name

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from compile_rng import stream
-from compile_rng.ops import make_key
+from compile_rng.ops import CHUNK, make_key
 from compile_rng._torch.core_internals import OpOverload, current_dispatch_mode
 from compile_rng.eager import draw_counters
 from compile_rng.semantics import local_values
@@ -45,7 +45,7 @@ from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.random_ops import integer_bounds, is_probability, normalized_arguments, uniform_fault
 from compile_rng.stream import state
 from compile_rng.stream.cpu_kernel import (
-    FAST_BERNOULLI, FAST_UNIFORM, INTEGERS_MAX_SPAN, fast_f32, fast_uniform_ok, normal_f32, to_float32,
+    FAST_BERNOULLI, FAST_UNIFORM, INTEGERS_MAX_SPAN, fast_f32, fast_uniform_ok, integers, normal_f32, to_float32,
 )
 
 aten = torch.ops.aten
@@ -84,11 +84,17 @@ def short_draw(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     served = parse(kw) if kw.get("generator") is None else None
     if served is None:
         return NOT_SERVED
-    size, target, fill = served
+    size, draw = served
     reserved = _reserve(func, size)
     if reserved is None:
         return NOT_SERVED
-    seed, first, strides = reserved
+    return draw(*reserved)
+
+
+def _filled(size: list[int], target: torch.Tensor | None, fill: Fill, seed: int, first: int,
+            strides: Sequence[int]) -> torch.Tensor:
+    """``target`` (or a new float32 tensor of ``size``) filled with ``fill``'s values of the
+    counters from ``first`` at ``strides``."""
     out = torch.empty(size, dtype=torch.float32) if target is None else target
     kernel, x0, x1, x2, threshold = fill
     if kernel == NORMAL:
@@ -255,20 +261,69 @@ def _integers(low: int, high: int, dtype: torch.dtype) -> Fill | None:
     return INTEGERS, 0.0, float(high - low), 0.0, low % 2**64
 
 
-def _in_place(fill: Callable[[dict], Fill | None]) -> Callable[[dict], tuple | None]:
-    def parse(kw: dict) -> tuple | None:
+#: a served call's ``(size, draw)``: ``draw(seed, counter of element 0, counter strides)``
+#: computes its values once :func:`_reserve` has reserved their counters
+Served = tuple[list[int], Callable[[int, int, Sequence[int]], torch.Tensor]]
+
+
+def _in_place(fill: Callable[[dict], Fill | None]) -> Callable[[dict], Served | None]:
+    def parse(kw: dict) -> Served | None:
         target = kw["input"]
         drawn = fill(kw) if _dense(target) else None
-        return None if drawn is None else (list(target.shape), target, drawn)
+        size = list(target.shape)
+        return None if drawn is None else (size, functools.partial(_filled, size, target, drawn))
     return parse
 
 
-def _made(fill: Callable[[dict], Fill | None], like: bool) -> Callable[[dict], tuple | None]:
-    def parse(kw: dict) -> tuple | None:
+def _made(fill: Callable[[dict], Fill | None], like: bool) -> Callable[[dict], Served | None]:
+    def parse(kw: dict) -> Served | None:
         size = _factory(kw, kw["input"] if like else None)
         drawn = fill(kw) if size is not None else None
-        return None if drawn is None else (size, None, drawn)
+        return None if drawn is None else (size, functools.partial(_filled, size, None, drawn))
     return parse
+
+
+def _small(t: Any) -> bool:
+    """A :func:`_dense` tensor the general path would draw in one piece (``ops.CHUNK``)."""
+    return _dense(t) and t.numel() <= CHUNK
+
+
+_TENSOR_MATH = stream.TensorMath()
+
+
+def _bernoulli_of_input(kw: dict) -> Served | None:
+    """``bernoulli(p)``, the probabilities a float32 tensor: the general path's
+    ``stream.bernoulli_tensor`` on the stream's words, which the integer kernel gives
+    (``W mod 2**32``); where an element is not a probability, the general path raises."""
+    p = kw["input"]
+    if not (_small(p) and bool(((p >= 0) & (p <= 1)).all())):
+        return None
+
+    def draw(seed: int, first: int, strides: Sequence[int]) -> torch.Tensor:
+        words = integers(seed, first, 0, INTEGERS_MAX_SPAN, torch.empty(p.shape, dtype=torch.int64))
+        return stream.bernoulli_tensor(_TENSOR_MATH, words, p, torch.float32)
+
+    return list(p.shape), draw
+
+
+def _normal_of_tensors(kw: dict) -> Served | None:
+    """``normal`` with a tensor mean or std (float32 tensors of one shape, or a number for
+    the other): the general path's ``z * std + mean`` on the float32 standard normal;
+    where a std is negative (or NaN), the general path raises."""
+    mean, std = kw.get("mean", 0.0), kw.get("std", 1.0)
+    tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+    if not all(_small(t) and t.shape == tensors[0].shape for t in tensors) or not all(
+            _number(v) for v in (mean, std) if not isinstance(v, torch.Tensor)):
+        return None
+    if not bool(std.min() >= 0 if isinstance(std, torch.Tensor) else std >= 0):
+        return None
+    size = list(tensors[0].shape)
+
+    def draw(seed: int, first: int, strides: Sequence[int]) -> torch.Tensor:
+        z = normal_f32(seed, first, size, list(strides), 0.0, 1.0)
+        return aten.add.Tensor(aten.mul.Tensor(z, std), mean)
+
+    return size, draw
 
 
 def _uniform_of(kw: dict) -> Fill | None:
@@ -279,8 +334,8 @@ def _normal_of(kw: dict) -> Fill | None:
     return _normal(kw.get("mean", 0.0), kw.get("std", 1.0))
 
 
-#: op -> its call's ``(size, target or None, fill)`` from its arguments (None: not served)
-_CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
+#: op -> its call's :data:`Served` from its arguments (None: not served)
+_CALLS: dict[OpOverload, Callable[[dict], Served | None]] = {
     aten.bernoulli_.float: _in_place(lambda kw: _bernoulli(kw["p"])),
     aten.uniform_.default: _in_place(_uniform_of),
     aten.normal_.default: _in_place(_normal_of),
@@ -288,6 +343,10 @@ _CALLS: dict[OpOverload, Callable[[dict], tuple | None]] = {
     aten.rand_like.default: _made(_uniform_of, like=True),
     aten.randn.default: _made(_normal_of, like=False),
     aten.randn_like.default: _made(_normal_of, like=True),
+    aten.bernoulli.default: _bernoulli_of_input,
+    aten.normal.Tensor_Tensor: _normal_of_tensors,
+    aten.normal.Tensor_float: _normal_of_tensors,
+    aten.normal.float_Tensor: _normal_of_tensors,
 }
 
 #: ``LANE_OPS[i]``'s :data:`Fill` from its number arguments, and the tensor's dtype where

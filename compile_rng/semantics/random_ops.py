@@ -14,7 +14,7 @@ import functools
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,13 @@ def is_probability(p: float) -> bool:
     return 0.0 <= p <= 1.0
 
 
+def _floating(call: RandomCall, t: Any, what: str) -> None:
+    """Refuse a tensor argument ``t`` that is not floating point (ATen's kernels dispatch
+    on it: torch's own error is raised where it refuses it)."""
+    if isinstance(t, torch.Tensor) and not t.dtype.is_floating_point:
+        call.fail(f"{what} of dtype {t.dtype}", f"pass {what} as a floating-point tensor")
+
+
 def _float_dtype(call: RandomCall) -> torch.dtype:
     from compile_rng.stream import FLOAT_DTYPES
 
@@ -193,6 +200,8 @@ def _geometric(call: RandomCall) -> Any:
     p = float(call.arg("p"))
     if not 0.0 < p < 1.0:  # ATen's bounds, NaN refused
         call.fail(f"p={p} is not in (0, 1)", "pass p in (0, 1)")
+    if call.dtype == torch.bool:  # ATen's kernel has no bool form
+        call.fail("a bool tensor", "draw into an integer or floating-point tensor")
     e = _exponential(call, torch.float64, -math.log1p(-p))
     return call.apply(prims.convert_element_type.default, call.apply(aten.ceil.default, e), call.dtype)
 
@@ -205,11 +214,19 @@ def _bernoulli_tensor(call: RandomCall) -> Any:
     p = call.arg("p", None)
     if p is None:  # aten.bernoulli.default: the input holds the probabilities
         p = call.arg("input")
+    _floating(call, p, "probabilities")
     if _values_known(p) and not bool(((p >= 0) & (p <= 1)).all()):  # ATen checks every element
         call.fail("an element of p is not a probability", "pass p in [0, 1]")
     if call.arg("p", None) is not None:
+        if _values_known(p) and not _expands(p.shape, call.size()):
+            call.fail(f"p of shape {tuple(p.shape)} does not expand to {tuple(call.size())}", "pass p of a shape that does")
         p = call.apply(aten.expand.default, p, call.size())
     return call.emit(cr.bernoulli_tensor.default, p, call.strides(), call.dtype)
+
+
+def _expands(shape: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` expands to ``size`` (``Tensor.expand``'s rule)."""
+    return len(shape) <= len(size) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(size)))
 
 
 def _filled(call: RandomCall, value: Any, dtype: torch.dtype) -> Any:
@@ -224,6 +241,7 @@ def _dropout(call: RandomCall) -> Any:
     """dropout's ``(output, mask)``; where :func:`draws_nothing` says so, values from the
     arguments alone (a tuple of tensors, not a draw's output)."""
     x = call.arg("input")
+    _floating(call, x, "the input")
     if draws_nothing(call.op, call.kw):
         if call.arg("train", True) is False or call.arg("p") == 0:  # the input (a copy), a mask of ones
             return call.apply(aten.clone.default, x), _filled(call, True, torch.bool)
@@ -282,6 +300,9 @@ def _randint(call: RandomCall, low: int, high: int) -> Any:
     for name, bound in (("from", low), ("to - 1", high - 1)):
         if not smallest <= bound <= largest:  # ATen: every value the range holds fits the dtype
             call.fail(f"{name}={bound} is out of bounds for {call.dtype}", "pass a range the dtype holds")
+    if high - low > 2**63:  # the contract's integers span at most 2**63 values
+        call.fail(f"the range [{low}, {high}) is wider than 2**63, the widest the stream draws",
+                  "draw two narrower ranges and combine them, or draw outside the stream")
     return call.emit(cr.randint.default, call.size(), call.strides(), int(low), int(high), call.dtype)
 
 
@@ -319,6 +340,8 @@ def _randperm(call: RandomCall) -> Any:
     n = int(call.arg("n"))
     if n < 0:
         call.fail(f"n={n} is negative", "pass n >= 0")
+    if call.dtype == torch.bool:  # ATen's kernel has no bool form
+        call.fail("a bool permutation", "pass an integer or floating-point dtype")
     if call.dtype != torch.int64 and n > integer_bounds(call.dtype)[1] + 1:
         call.fail(f"n={n} is too large for {call.dtype}", "pass a wider dtype")
     keys = call.emit(cr.random_bits.default, call.size(), call.strides())
@@ -348,6 +371,8 @@ def _multinomial(call: RandomCall) -> Any:
         call.fail(f"num_samples={k}", "sample at least one")
     _check_distribution(call, probs)
     if not call.arg("replacement", False):
+        if isinstance(probs, torch.Tensor) and k > probs.shape[-1]:
+            call.fail(f"{k} samples of {probs.shape[-1]} categories without replacement", "sample fewer")
         if _values_known(probs) and not bool(((probs > 0).sum(-1) >= k).all()):
             call.fail("fewer categories of positive weight than samples without replacement", "sample fewer")
         q = call.emit(cr.exponential.default, call.size(), call.strides(), 1.0, torch.float64)
@@ -365,6 +390,7 @@ def _multinomial(call: RandomCall) -> Any:
 
 def _poisson(call: RandomCall) -> Any:
     rates = call.arg("input")
+    _floating(call, rates, "rates")
     if _values_known(rates) and not bool((rates >= 0).all()):  # ATen: per element, NaN refused
         call.fail("a rate is negative or nan", "pass rates >= 0")
     return call.emit(cr.poisson.default, rates, call.strides())
