@@ -7,6 +7,8 @@ scalar reference's Philox stream at the global row-major counters. Real gloo ran
 ``test_train_parity.py``.
 """
 
+import contextlib
+
 import pytest
 import reference as ref
 import torch
@@ -272,6 +274,25 @@ def test_microbatches_must_draw_alike_and_cover_the_batch(compiled):
         with compile_rng.step(4) as step:
             with step.microbatch(2):
                 pass
+
+
+def test_a_step_inside_a_microbatch_is_refused():
+    """A step opened in a microbatch would draw at its own rows of its own batch, so every
+    microbatch would get the same values: refused before it draws. A step of the enclosing
+    rows inside a step changes nothing (the values and state of one flat step)."""
+    compile_rng.manual_seed(SEED)
+    with pytest.raises(RuntimeError, match="steps do not nest"):
+        with compile_rng.step(4) as step, step.microbatch(2), compile_rng.step(2):
+            torch.rand(2, 3)
+    runs = []
+    for nested in (False, True):
+        compile_rng.manual_seed(SEED)
+        with compile_rng.step(4):
+            first = torch.rand(4, 3)
+            with compile_rng.step(4) if nested else contextlib.nullcontext():
+                second = torch.rand(4, 3)
+        runs.append((first, second, compile_rng.get_state()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2]
 
 
 def test_global_batch_must_match_the_chunk_layout():

@@ -31,7 +31,7 @@ import torch
 
 from compile_rng.eager import activation_names, dispatch_modes, random_kernels
 from compile_rng.semantics.named_draws import STEP_STRIDE, reset_namer, set_namer
-from compile_rng.semantics.rows import Rows, ScatteredRows, reset_rows, reset_step_batch_dim, rows_at, set_rows, set_step_batch_dim
+from compile_rng.semantics.rows import Rows, ScatteredRows, current_rows, reset_rows, reset_step_batch_dim, rows_at, set_rows, set_step_batch_dim
 from compile_rng.stream import agreement, state
 
 
@@ -241,6 +241,15 @@ def step(
     if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
         raise ValueError(f"compile_rng.step: batch_dim must be 0 or 1, got {batch_dim!r}")
     rows = _rank_rows(local_batch, data_parallel, global_batch, rows)
+    enclosing = current_rows()
+    if enclosing is not None and enclosing != rows:
+        # its draws would be at its own rows of its own batch: every microbatch of the
+        # enclosing step would draw the same values
+        raise RuntimeError(
+            f"compile_rng.step: a step of {local_batch} rows opened inside a step or microbatch whose rows here are "
+            f"{enclosing}: steps do not nest. Draw in the enclosing step (its microbatches are at their rows "
+            "already), or close it first"
+        )
     token = set_step_batch_dim(batch_dim)
     try:
         if names is None:
