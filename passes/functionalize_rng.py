@@ -66,6 +66,7 @@ from compile_rng.passes.sym_emit import SymEmitter, emit_binary
 from compile_rng.semantics.pending_key import SITE
 from compile_rng.semantics.random_ops import (
     DECOMPOSED_IN_GRAPHS,
+    DRAWN_WHOLE,
     RULES,
     RandomCall,
     draws,
@@ -143,9 +144,12 @@ def _user_inputs(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
 
 
-def find_key(graph: fx.Graph, batched: bool = False) -> tuple[fx.Node, fx.Node | None]:
+def find_key(graph: fx.Graph, sites: list[fx.Node], batched: bool = False) -> tuple[fx.Node, fx.Node | None]:
     """The key input (the last primal / user input) and, in a batched graph, the key
-    table before it (:mod:`compile_rng.passes.batch_rows`); both added by the backend."""
+    table before it (:mod:`compile_rng.passes.batch_rows`); both added by the backend.
+    Random ops ``sites`` in a graph without them are refused by name: Inductor runs the
+    pass on a higher-order op's branches too (``torch.cond``, ``torch.while_loop``), which
+    take only the operands the op passes them."""
     inputs = _user_inputs(graph)
     key = inputs[-1] if inputs else None
     table = inputs[-2] if batched and len(inputs) > 1 else None
@@ -155,11 +159,29 @@ def find_key(graph: fx.Graph, batched: bool = False) -> tuple[fx.Node, fx.Node |
     if not (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and tuple(val.shape) == (length,)) or (
         batched and not (isinstance(table_val, torch.Tensor) and table_val.ndim == 2 and table_val.shape[1] == 2)
     ):
-        raise RuntimeError(
-            "compile_rng internal error: the graph's last inputs are not the rng key; "
-            "was this graph compiled through compile_rng.backend()?"
-        )
+        _refuse_keyless(sites)
     return key, table
+
+
+def _refuse_keyless(sites: list[fx.Node]) -> None:
+    ops = ", ".join(f"{n.target} at {source_of(n)}" for n in sites)
+    raise NotImplementedError(
+        f"compile_rng: {ops} in a graph without compile_rng's key input: a branch or body of a higher-order "
+        "op (torch.cond, torch.while_loop, ...), whose random ops compile_rng does not rewrite, or a graph "
+        "not compiled through compile_rng.backend(). Draw the random values before the higher-order op and "
+        "pass them in as an operand, or run it eagerly in the step"
+    )
+
+
+def _branch_sites(graph: fx.Graph) -> list[fx.Node]:
+    """The random ops in the subgraphs of ``graph``'s module (a higher-order op's branches
+    and bodies): a compiler other than Inductor runs no pass on them, and their ops would
+    draw from whatever stream is there when they run."""
+    root = graph.owning_module
+    if root is None:
+        return []
+    return [n for _, sub in root.named_modules() if sub is not root and isinstance(sub, fx.GraphModule)
+            for n in sub.graph.nodes if _draws(n)]
 
 
 def _module_site(node: fx.Node, ordinals: dict) -> ModuleSite | None:
@@ -276,12 +298,15 @@ def _values_from_arguments(node: fx.Node, key: fx.Node, emitter: SymEmitter) -> 
 
 
 def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
+    branch_sites = _branch_sites(graph)
+    if branch_sites:
+        _refuse_keyless(branch_sites)
     sites = [n for n in graph.nodes if _draws(n) or n.target is pending_key]
     if not sites:
         dropout_backward_from_stream(graph)
         return
     plan.graphs_before.append(graph.python_code("self").src)
-    key, table = find_key(graph, plan.batched)
+    key, table = find_key(graph, sites, plan.batched)
     _note_draw_inputs(graph, [n for n in sites if n.target is not pending_key], plan)
     emitter = SymEmitter(graph)
     batch = BatchRows(graph, key, table, emitter, plan, sites[0]) if plan.batched else None
@@ -306,9 +331,13 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
         )
         numel = sympy.Mul(*global_shape) if global_shape else sympy.Integer(1)
         module = None
+        # a batched graph's permutation is a replica too, as eager code draws it: no rows
+        whole = batch is None or (not pending and node.target in DRAWN_WHOLE)
         with graph.inserting_before(node):
-            if batch is None:
-                op_key, base_value = key, emitter.emit(base)
+            if whole:
+                op_key, base_value = (
+                    (key, emitter.emit(base)) if batch is None else batch.key_and_offset(base, len(plan.ops))
+                )
                 advance = ceil4_expr(numel)
             else:
                 batch_dim = batch.batch_dim(node, global_shape, pending)
@@ -333,7 +362,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 )
             else:
                 call = (
-                    _GraphCall(node, op_key, base_value, emitter) if batch is None
+                    _GraphCall(node, op_key, base_value, emitter) if whole
                     else _GraphCall(node, op_key, base_value, emitter, batch_dim, plan.row_stride)
                 )
                 new = RULES[node.target](call)

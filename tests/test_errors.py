@@ -125,6 +125,42 @@ def test_an_unbatched_graph_on_part_of_the_batch_is_refused():
         assert compile_rng.get_state() == (3, 0)
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_random_op_in_a_higher_order_ops_branch_is_refused_by_name(inner):
+    """torch.cond's branches are subgraphs the rewrite does not reach: Inductor ran the pass
+    on them and failed with an internal error; aot_eager ran their dropout unrewritten,
+    other values than eager code's in the step, silently. Both refuse it, naming the op."""
+    def program(x):
+        return torch.cond(x.sum() > 0, lambda t: F.dropout(t, 0.5), lambda t: t * 2, (x,))
+
+    torch._dynamo.reset()
+    fn = torch.compile(program, backend=compile_rng.backend(inner=inner))
+    with pytest.raises(Exception, match=r"aten\.native_dropout.*higher-order op \(torch\.cond"):
+        with compile_rng.step(4):
+            fn(torch.ones(4, 6))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpoint_without_rng_state_recomputing_a_draw_in_a_step_is_refused(reentrant):
+    """checkpoint(preserve_rng_state=False) has no state to replay the forward's dropout:
+    its recomputation drew a backward replica (the same mask for every microbatch and
+    rank, another than the forward's), silently. Refused in the backward; a gradient hook's
+    draw in the same backward is still a replica."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(4, 6, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="preserve_rng_state=False"):
+        with compile_rng.step(4):
+            out = checkpoint(lambda t: F.dropout(t, 0.5), x, use_reentrant=reentrant, preserve_rng_state=False)
+            out.sum().backward()
+    noise = []
+    y = torch.ones(4, 6, requires_grad=True)
+    y.register_hook(lambda g: noise.append(torch.rand_like(g)) or g)
+    with compile_rng.step(4):
+        (y * 2).sum().backward()
+    assert len(noise) == 1
+
+
 # --- collectives on the process group's device (NCCL without a GPU) ----------------------
 
 

@@ -356,6 +356,38 @@ def test_randperm_in_a_step_is_a_replica():
     assert torch.equal(perms[0], perms[1]) and torch.equal(perms[0], perms[2])
 
 
+def test_a_batched_graphs_permutation_is_the_eager_replica():
+    """In a batched graph too a permutation of the microbatch's row count is a replica
+    (eager code's): each microbatch draws the same one, a size other than the batch's is
+    no error, and a dynamic size compiles (it once crashed on the symbolic n)."""
+    def program(x):
+        return torch.randperm(x.shape[0]), torch.randperm(6) + x.sum().long()
+
+    outs = {}
+    for name, fn in (("eager", program),
+                     ("batched", torch.compile(program, backend=compile_rng.backend(layout="invariant", batched=True))),
+                     ("dynamic", torch.compile(program, backend=compile_rng.backend(inner="aot_eager"), dynamic=True))):
+        torch._dynamo.reset()
+        compile_rng.manual_seed(13)
+        with compile_rng.step(4) as step:
+            parts = []
+            for part in torch.zeros(4, 3).split(2):
+                with step.microbatch(2):
+                    parts.append(fn(part))
+        outs[name] = (parts, compile_rng.get_state())
+    eager_parts, eager_state = outs["eager"]
+    assert torch.equal(eager_parts[0][0], eager_parts[1][0]) and eager_state == (13, 12)
+    for name in ("batched", "dynamic"):
+        parts, state = outs[name]
+        assert state == eager_state, name
+        for got, want in zip(parts, eager_parts):
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), name
+    compile_rng.manual_seed(13)
+    with eager_stream():  # the replicas are the stream's draws without rows
+        whole = (torch.randperm(2), torch.randperm(6))
+    assert torch.equal(eager_parts[0][0], whole[0]) and torch.equal(eager_parts[0][1], whole[1])
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_compiled_samplers_draw_the_eager_values(inner):
     def program(rates, probs, alpha):

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import importlib
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [  # and the lazy names of _LAZY, added below
     "random_op_overloads",
     "remove_dispatch_mode",
     "rng_state_replay_codes",
+    "checkpoint_recompute_codes",
     "set_thread_object",
     "thread_object",
     "unregister_library",
@@ -348,6 +350,22 @@ def rng_state_replay_codes() -> tuple:
             code = getattr(kernel, "__code__", None)
             if code is not None:
                 codes.append(code)
+    return tuple(codes)
+
+
+def checkpoint_recompute_codes() -> tuple:
+    """The code objects of ``torch.utils.checkpoint``'s recomputation of a forward: the
+    reentrant ``CheckpointFunction.backward`` and the ``recompute_fn`` the non-reentrant
+    ``_checkpoint_without_reentrant_generator`` defines (2.11.0-2.15.0; private, no public
+    way to tell a recomputation from other backward code). A draw under one of them that no
+    saved RNG state replays is recomputed with ``preserve_rng_state=False``."""
+    from torch.utils import checkpoint
+
+    codes = [checkpoint.CheckpointFunction.backward.__code__]
+    generator = getattr(checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if generator is not None:
+        codes += [c for c in generator.__code__.co_consts
+                  if isinstance(c, types.CodeType) and c.co_name == "recompute_fn"]
     return tuple(codes)
 
 

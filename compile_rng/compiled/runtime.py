@@ -18,9 +18,14 @@ from compile_rng.eager import dispatch_modes
 from compile_rng.ops import make_key
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
 from compile_rng.semantics import local_values, verify
+from compile_rng.semantics.random_ops import DRAWN_WHOLE
 from compile_rng.semantics.named_draws import current_namer
 from compile_rng.semantics.rows import Rows, current_rows, step_batch_dim
 from compile_rng.stream import state
+
+
+#: the names a plan gives the ops drawn whole (``RewrittenOp.original``)
+_DRAWN_WHOLE = tuple(str(op) for op in DRAWN_WHOLE)
 
 
 class BatchKey:
@@ -143,11 +148,12 @@ class CompiledGraph:
         # Without batched=True the graph's ops draw at this call's own counters: in a step
         # that gives the call part of the global batch (a data-parallel rank's rows, a
         # microbatch), eager code draws at those rows and every rank or microbatch would draw
-        # the same values here
-        rows = current_rows() if self.plan.ops else None
+        # the same values here (a permutation has no rows: eager code draws it whole too)
+        at_rows = [op for op in self.plan.ops if op.original not in _DRAWN_WHOLE]
+        rows = current_rows() if at_rows else None
         if rows is None or (isinstance(rows, Rows) and rows.start == 0 and rows.count == rows.total):
             return
-        ops = ", ".join(f"{op.original} at {op.source}" for op in self.plan.ops)
+        ops = ", ".join(f"{op.original} at {op.source}" for op in at_rows)
         raise NotImplementedError(
             f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) in a "
             "compile_rng.step / microbatch that holds part of the step's global batch, but it was compiled "

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from compile_rng import ops as cr_ops
-from compile_rng._torch.core_internals import OpOverload, in_backward, rng_state_replay_codes
+from compile_rng._torch.core_internals import OpOverload, checkpoint_recompute_codes, in_backward, rng_state_replay_codes
 from compile_rng.eager import batch_dims, recomputation
 from compile_rng.eager.user_code import stack_frames
+from compile_rng.semantics.random_ops import DRAWN_WHOLE
 from compile_rng.semantics.named_draws import draw_position
 from compile_rng.semantics.rows import (
     BATCH_MAJOR,
@@ -119,20 +120,39 @@ def draw_rows() -> Rows | ScatteredRows | None:
     drawn as replicas, at the stream's position, the same on every rank."""
     rows = current_rows()
     if rows is not None and in_backward() and not recomputation.recomputing():
+        _refuse_a_recomputation_without_state()
         return None
     return rows
 
 
-# draws with no batch dim: a permutation is drawn whole, as a replica, inside a step too
-# (a tuple: ``in`` compares by identity, where a set would call OpOverload's Python __hash__)
-_WHOLE = (aten.randperm.default,)
+def _refuse_a_recomputation_without_state() -> None:
+    """A checkpoint recomputing a forward with ``preserve_rng_state=False`` has no saved
+    state to replay the forward's draws from: drawn as a backward's replica, its masks
+    would differ from the forward's, be the same for every microbatch and rank, and differ
+    from a compiled graph's (which replays the forward's); refused."""
+    global _recompute_codes
+    if _recompute_codes is None:
+        _recompute_codes = frozenset(map(id, checkpoint_recompute_codes()))
+    for frame in stack_frames():
+        if id(frame.f_code) in _recompute_codes:
+            raise NotImplementedError(
+                "compile_rng: a random op in a step recomputed by torch.utils.checkpoint with "
+                "preserve_rng_state=False: with no saved state the recomputation cannot draw what the forward "
+                "drew (compiled, it does). Checkpoint with preserve_rng_state=True (the default) around random "
+                "ops in a step, or move the random op out of the checkpointed region"
+            )
+
+
+#: ``id`` of the code objects of torch's checkpoint recomputation (read once, on the first
+#: backward draw in a step)
+_recompute_codes: frozenset[int] | None = None
 
 
 def plain_window(func: OpOverload, size: Sequence[int]) -> tuple[int, int, Sequence[int]]:
     """``(advance, offset, counter strides)`` of a draw of ``func`` on a plain tensor of
     ``size`` here: a replica on a one-rank mesh; inside a step, rows of the batch, along
     the dim torch's module or the step says. Reserves nothing."""
-    rows = None if func in _WHOLE else draw_rows()
+    rows = None if func in DRAWN_WHOLE else draw_rows()
     return _plain_window(func, size, rows, read_stack(func, size, rows is not None))
 
 
@@ -146,7 +166,7 @@ def contiguous_window(
     if not walked:
         window = plain_window(func, size)
         return window if contiguous_stream(size, window[2]) else None
-    rows = None if func in _WHOLE else draw_rows()
+    rows = None if func in DRAWN_WHOLE else draw_rows()
     key = (tuple(size), id(rows), step_batch_dim() if rows is not None else 0)
     known = _walked_windows.get(key)
     if known is not None:

@@ -337,12 +337,12 @@ def _random(call: RandomCall) -> Any:
 def _randperm(call: RandomCall) -> Any:
     """A permutation of ``range(n)``: the positions of the counters' 64-bit values in
     ascending order (a stable sort: equal values, a 2**-64 event, keep their order)."""
-    n = int(call.arg("n"))
-    if n < 0:
+    n = call.arg("n")  # a graph's symbolic size is checked by torch's own guards
+    if isinstance(n, int) and n < 0:
         call.fail(f"n={n} is negative", "pass n >= 0")
     if call.dtype == torch.bool:  # ATen's kernel has no bool form
         call.fail("a bool permutation", "pass an integer or floating-point dtype")
-    if call.dtype != torch.int64 and n > integer_bounds(call.dtype)[1] + 1:
+    if isinstance(n, int) and call.dtype != torch.int64 and n > integer_bounds(call.dtype)[1] + 1:
         call.fail(f"n={n} is too large for {call.dtype}", "pass a wider dtype")
     keys = call.emit(cr.random_bits.default, call.size(), call.strides())
     order = call.apply(aten.sort.stable, keys, stable=True)
@@ -454,6 +454,11 @@ RULES: dict[OpOverload, Callable[[RandomCall], Any]] = {
     aten.rrelu_with_noise.default: _rrelu_with_noise,
     aten.rrelu_with_noise_.default: _rrelu_with_noise_inplace,
 }
+
+#: Draws with no batch dim: a permutation is drawn whole, as a replica, in a step too (its
+#: size is a count, not rows), eager and in a batched graph. A tuple: ``in`` compares by
+#: identity, where a set would call OpOverload's Python ``__hash__`` on every draw.
+DRAWN_WHOLE = (aten.randperm.default,)
 
 #: Ops with a rule that a compiled graph does not draw by: its compiler decomposes them
 #: first (torch's decomposition, whose values the rule computes); eager code draws by it.
