@@ -346,6 +346,24 @@ def test_a_ranks_rows_are_the_one_process_rows(name):
         assert torch.equal(torch.cat(parts), whole), world
 
 
+@pytest.mark.parametrize("inner", [None, "aot_eager", "inductor"])
+def test_a_range_wider_than_2_63_is_refused_before_it_draws(inner):
+    """torch draws ``randint`` over any int64 range; the contract's integers span at most
+    2**63 values. A compiled graph once drew such a range as negative values only, and
+    the eager stream raised after reserving: both refuse it now, saying why, and the
+    stream does not move."""
+    def program(x):
+        return torch.randint(-2**63, 2**63 - 1, (8,)) + x
+
+    fn = program if inner is None else torch.compile(program, backend=compile_rng.backend(inner=inner))
+    torch._dynamo.reset()
+    compile_rng.manual_seed(5)
+    with pytest.raises(Exception, match="wider than 2\\*\\*63"):
+        with compile_rng.step(8):
+            fn(torch.zeros(8, dtype=torch.int64))
+    assert compile_rng.get_state() == (5, 0)
+
+
 def test_randperm_in_a_step_is_a_replica():
     """A permutation has no rows: every rank draws the one process's."""
     perms = []
