@@ -267,7 +267,7 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     size = None
     try:
         size, dtype = _out_shape_dtype(drawn, drawn_kw)
-        if any(n < 0 for n in size) or _refused_by_its_outputs(func, kw, stock):
+        if any(n < 0 for n in size) or _refused_by_its_outputs(func, form, kw, stock):
             # torch refuses the shape or what it writes before it draws: its error, not the rows'
             with random_kernels.drawing(None):
                 stock(*args, **kwargs)
@@ -289,13 +289,13 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     return result
 
 
-def _refused_by_its_outputs(func: OpOverload, kw: dict, stock: Callable) -> bool:
-    """Whether torch refuses what ``func`` writes before it draws, as its kernels check
-    first: an in-place target whose elements share memory, or (``out=``) outputs it will
-    not cast to (:func:`_torch_refusal` asks torch, one element each)."""
+def _refused_by_its_outputs(func: OpOverload, form: Form | None, kw: dict, stock: Callable) -> bool:
+    """Whether torch refuses what ``func`` (of functional form ``form``) writes before it
+    draws, as its kernels check first: an in-place target whose elements share memory, or
+    (``out=``) outputs it will not cast to (:func:`_torch_refusal` asks torch, one element
+    each)."""
     if func in INPLACE and isinstance(kw.get("input"), torch.Tensor) and has_internal_overlap(kw["input"]):
         return True
-    form = functional_form(func)
     return form is not None and bool(form.outs) and _torch_refusal(func, kw, stock) is not None
 
 
