@@ -27,6 +27,7 @@ import json, sys, threading, time
 import torch
 mode, reps, rounds, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 x, y = torch.ones(4, 4, device=device), torch.ones(4, 4, device=device)
+p, mean, std = torch.full((4, 4), 0.5, device=device), torch.zeros(4, 4, device=device), torch.ones(4, 4, device=device)
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 OPS = {
     "rand(4, 4)": lambda: torch.rand(4, 4, device=device), "randn(4, 4)": lambda: torch.randn(4, 4, device=device),
@@ -34,6 +35,7 @@ OPS = {
     "randperm(16)": lambda: torch.randperm(16, device=device),
     "uniform_ 4x4": lambda: x.uniform_(), "bernoulli_ 4x4": lambda: y.bernoulli_(0.5),
     "dropout 4x4": lambda: torch.nn.functional.dropout(x, 0.5),
+    "bernoulli(p) 4x4": lambda: torch.bernoulli(p), "normal(mean, std) 4x4": lambda: torch.normal(mean, std),
 }
 out = {"ops": {}}
 step = None
