@@ -164,7 +164,8 @@ def batch_window(
         said = batch.why or ("the step's batch_dim" if dim else "the step's default")
         per_row = f" ({heads} entries a row: {batch.why})" if heads != 1 else ""
         raise NotImplementedError(
-            f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step, whose "
+            f"compile_rng: {op} on a tensor of shape {tuple(global_shape)} inside compile_rng.step (or under a "
+            f"torch RNG state taken in one and set back, which replays its draws), whose "
             f"batch here has {rows.count} rows{per_row}: every random op in a step draws at its rows of the "
             f"global batch, so dim {dim} must be the batch ({said}). Draw other randomness (data sampling, "
             "noise of another shape) outside the step block, transpose the tensor so the batch is that dim, "
