@@ -2,7 +2,8 @@
 
 Most random ops in a step are one of a few calls on a plain, dense float32 CPU tensor:
 dropout's ``bernoulli_(p)`` on the ``empty_like`` it fills (and timm's drop path's), ``uniform_``
-and ``normal_`` fills, ``rand``/``randn`` and their ``*_like`` (masks, noise). The general path (:mod:`compile_rng.eager.dispatch_modes`) serves every op, dtype,
+and ``normal_`` fills, ``rand``/``randn`` and their ``*_like`` (masks, noise), ``bernoulli`` and
+``normal`` with tensor probabilities, means or stds. The general path (:mod:`compile_rng.eager.dispatch_modes`) serves every op, dtype,
 layout and device through layers - the op's rule, the functional op, its kernel choice, a
 key tensor - at ~40 us a call on a Xeon core. Here such a draw takes its counters from the
 same place (:func:`~compile_rng.eager.draw_counters.contiguous_window`, the stream's position)
