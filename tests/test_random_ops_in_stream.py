@@ -165,6 +165,22 @@ def test_out_overloads_write_the_functional_values():
     assert returned is out and torch.equal(out, want)
 
 
+def test_out_draws_in_a_step_leave_torchs_generator_alone():
+    """Asking torch whether it accepts an ``out=`` tensor runs its op on one element: only
+    for an ``out=`` of another dtype, with a generator of its own where the op takes one.
+    A step's ``out=`` draws leave torch's generator where it was (and on CUDA, where it is
+    the stream, must)."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with compile_rng.step(4):
+        torch.rand(4, 2, out=torch.empty(8, dtype=torch.float64))
+        torch.normal(torch.zeros(4), 1.0, out=torch.empty(4))
+        torch.normal(torch.zeros(4), 1.0, out=torch.empty(4, dtype=torch.float64))
+        torch.bernoulli(torch.full((4,), 0.5), out=torch.empty(4, dtype=torch.float64))
+        torch.multinomial(torch.ones(4, 3), 2, out=torch.empty(4, 2, dtype=torch.int64))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # --- samplers: documented functions of the counters ----------------------------------
 
 

@@ -267,7 +267,7 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     size = None
     try:
         size, dtype = _out_shape_dtype(drawn, drawn_kw)
-        if any(n < 0 for n in size) or _refused_by_its_outputs(func, form, kw, stock):
+        if any(n < 0 for n in size) or _refused_by_its_outputs(func, form, kw, dtype, stock):
             # torch refuses the shape or what it writes before it draws: its error, not the rows'
             with random_kernels.drawing(None):
                 stock(*args, **kwargs)
@@ -289,14 +289,17 @@ def _random_op(counters: Callable, func: OpOverload, args: tuple, kwargs: dict, 
     return result
 
 
-def _refused_by_its_outputs(func: OpOverload, form: Form | None, kw: dict, stock: Callable) -> bool:
-    """Whether torch refuses what ``func`` (of functional form ``form``) writes before it
-    draws, as its kernels check first: an in-place target whose elements share memory, or
-    (``out=``) outputs it will not cast to (:func:`_torch_refusal` asks torch, one element
-    each)."""
+def _refused_by_its_outputs(func: OpOverload, form: Form | None, kw: dict, dtype: torch.dtype, stock: Callable) -> bool:
+    """Whether torch refuses what ``func`` (of functional form ``form``, drawing ``dtype``)
+    writes before it draws, as its kernels check first: an in-place target whose elements
+    share memory, or ``out=`` tensors of another dtype it will not cast to (asked of torch
+    by :func:`_torch_refusal`, only then: its probe may draw from torch's generator)."""
     if func in INPLACE and isinstance(kw.get("input"), torch.Tensor) and has_internal_overlap(kw["input"]):
         return True
-    return form is not None and bool(form.outs) and _torch_refusal(func, kw, stock) is not None
+    if form is None or not form.outs:
+        return False
+    outs = [kw[name] for name in form.outs]
+    return (len(outs) > 1 or outs[0].dtype != dtype) and _torch_refusal(func, kw, stock) is not None
 
 
 def _draw_at(counters: Callable, func: OpOverload, kw: dict, size: list, dtype: torch.dtype, device) -> Any:
@@ -404,8 +407,10 @@ _TEMPLATES = {"uniform", "exponential", "cauchy", "log_normal", "geometric", "ra
 def _torch_refusal(func: OpOverload, kw: dict, stock: Callable) -> BaseException | None:
     """torch's own exception for a call whose arguments compile_rng refuses (its type and
     message: code that catches torch's error keeps working): the same call on one element
-    (``size`` [1], a one-element target, fresh outputs), whose arguments ATen checks
-    before it draws. None where torch accepts it (compile_rng's own error then stands)."""
+    (``size`` [1], a one-element target, fresh outputs: a factory's empty, another's of the
+    caller's shape), whose arguments ATen checks before it draws, with a generator of its
+    own where the op takes one. None where torch accepts it (compile_rng's own error then
+    stands)."""
     one = dict(kw)
     if "size" in one:
         one["size"] = [1]
@@ -419,8 +424,10 @@ def _torch_refusal(func: OpOverload, kw: dict, stock: Callable) -> BaseException
     for argument in op_arguments(func):
         name = "input" if argument.name == "self" else argument.name
         value = one.get(name)
-        if argument.is_out:
-            value = torch.empty(0, dtype=value.dtype, device=value.device)
+        if argument.is_out:  # a factory's resizes to its size; another's is the caller's shape
+            value = torch.empty(0 if "size" in one else value.shape, dtype=value.dtype, device=value.device)
+        elif name == "generator":  # where torch accepts the call it draws: not from its global generator
+            value = torch.Generator(_out_device(kw))
         if argument.kwarg_only:
             keywords[argument.name] = value
         else:
