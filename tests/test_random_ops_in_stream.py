@@ -99,6 +99,7 @@ ACCEPTED = {
     "rand out float64": lambda: torch.rand(4, 2, out=torch.empty(0, dtype=torch.float64)),
     "randn out": lambda: torch.randn(4, 2, out=torch.empty(8)),
     "normal Tensor_float out": lambda: torch.normal(torch.zeros(4), 1.0, out=torch.empty(4)),
+    "normal Tensor_float out float64": lambda: torch.normal(torch.zeros(4), 1.0, out=torch.empty(4, dtype=torch.float64)),
     "bernoulli out": lambda: torch.bernoulli(torch.full((4,), 0.5), out=torch.empty(4)),
     "randint generator=None": lambda: torch.ops.aten.randint.generator(5, [4], generator=None),
     "native_dropout train=False": lambda: torch.ops.aten.native_dropout(torch.ones(4), 0.5, False)[1],
