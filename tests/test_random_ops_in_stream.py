@@ -182,6 +182,51 @@ def test_out_draws_in_a_step_leave_torchs_generator_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def _out_calls() -> dict:
+    """Each random op's out= form into tensors of other dtypes and shapes: the shape it
+    draws, empty, another shape, another size."""
+    calls = {
+        "rand": lambda out: torch.rand(4, out=out), "randn": lambda out: torch.randn(4, out=out),
+        "randint": lambda out: torch.randint(0, 5, (4,), out=out),
+        "normal(T, T)": lambda out: torch.normal(torch.zeros(4), torch.ones(4), out=out),
+        "normal(T, f)": lambda out: torch.normal(torch.zeros(4), 2.0, out=out),
+        "normal(f, T)": lambda out: torch.normal(1.0, torch.ones(4), out=out),
+        "normal(f, f)": lambda out: torch.normal(1.0, 2.0, (4,), out=out),
+        "bernoulli": lambda out: torch.bernoulli(torch.full((4,), 0.5), out=out),
+        "randperm": lambda out: torch.randperm(4, out=out),
+        "multinomial": lambda out: torch.multinomial(torch.ones(3), 2, out=out),
+        "poisson": lambda out: torch.ops.aten.poisson.out(torch.ones(4), out=out),
+        "native_dropout": lambda out: torch.ops.aten.native_dropout.out(
+            torch.ones(4), 0.5, True, out0=out, out1=torch.empty(out.shape, dtype=torch.bool)),
+    }
+    return {(name, dtype, shape): (fn, dtype, shape) for name, fn in calls.items()
+            for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int64)
+            for shape in ((4,), (0,), (2, 2), (5,))}
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _, _ in _out_calls()}))
+def test_out_tensors_of_other_dtypes_and_shapes_give_stocks_outcome(name):
+    """Stock's outcome for every out= form, dtype and shape (its result's structure or its
+    error); a refused call leaves the stream where it was, and torch's own generator moves
+    only where stock's does (torch's checks of the output run after its draw for some)."""
+    differs = []
+    for (op, dtype, shape), (fn, _, _) in _out_calls().items():
+        if op != name:
+            continue
+        torch.manual_seed(0)
+        stock = _outcome(lambda: fn(torch.empty(shape, dtype=dtype)))
+        stock_moved = not torch.equal(torch.default_generator.get_state(), torch.manual_seed(0).get_state())
+        compile_rng.manual_seed(0)
+        torch.manual_seed(0)
+        with eager_stream():
+            mine = _outcome(lambda: fn(torch.empty(shape, dtype=dtype)))
+        position = compile_rng.get_state()
+        moved = not torch.equal(torch.default_generator.get_state(), torch.manual_seed(0).get_state())
+        if mine != stock or (moved and not stock_moved) or (stock[0] != "ok" and position != (0, 0)):
+            differs.append((dtype, shape, stock, mine, moved, position))
+    assert not differs, differs[:3]
+
+
 # --- samplers: documented functions of the counters ----------------------------------
 
 
