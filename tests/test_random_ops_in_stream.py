@@ -204,6 +204,10 @@ def _out_calls() -> dict:
             for shape in ((4,), (0,), (2, 2), (5,))}
 
 
+def _into_new_out(fn, shape: tuple, dtype: torch.dtype):
+    return fn(torch.empty(shape, dtype=dtype))
+
+
 @pytest.mark.parametrize("name", sorted({name for name, _, _ in _out_calls()}))
 def test_out_tensors_of_other_dtypes_and_shapes_give_stocks_outcome(name):
     """Stock's outcome for every out= form, dtype and shape (its result's structure or its
@@ -213,13 +217,14 @@ def test_out_tensors_of_other_dtypes_and_shapes_give_stocks_outcome(name):
     for (op, dtype, shape), (fn, _, _) in _out_calls().items():
         if op != name:
             continue
+        call = functools.partial(_into_new_out, fn, shape, dtype)
         torch.manual_seed(0)
-        stock = _outcome(lambda: fn(torch.empty(shape, dtype=dtype)))
+        stock = _outcome(call)
         stock_moved = not torch.equal(torch.default_generator.get_state(), torch.manual_seed(0).get_state())
         compile_rng.manual_seed(0)
         torch.manual_seed(0)
         with eager_stream():
-            mine = _outcome(lambda: fn(torch.empty(shape, dtype=dtype)))
+            mine = _outcome(call)
         position = compile_rng.get_state()
         moved = not torch.equal(torch.default_generator.get_state(), torch.manual_seed(0).get_state())
         if mine != stock or (moved and not stock_moved) or (stock[0] != "ok" and position != (0, 0)):
