@@ -199,7 +199,7 @@ def _out_calls() -> dict:
         "native_dropout": lambda out: torch.ops.aten.native_dropout.out(
             torch.ones(4), 0.5, True, out0=out, out1=torch.empty(out.shape, dtype=torch.bool)),
     }
-    return {(name, dtype, shape): (fn, dtype, shape) for name, fn in calls.items()
+    return {(name, dtype, shape): fn for name, fn in calls.items()
             for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int64)
             for shape in ((4,), (0,), (2, 2), (5,))}
 
@@ -214,7 +214,7 @@ def test_out_tensors_of_other_dtypes_and_shapes_give_stocks_outcome(name):
     error); a refused call leaves the stream where it was, and torch's own generator moves
     only where stock's does (torch's checks of the output run after its draw for some)."""
     differs = []
-    for (op, dtype, shape), (fn, _, _) in _out_calls().items():
+    for (op, dtype, shape), fn in _out_calls().items():
         if op != name:
             continue
         call = functools.partial(_into_new_out, fn, shape, dtype)
