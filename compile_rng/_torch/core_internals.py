@@ -356,17 +356,18 @@ def rng_state_replay_codes() -> tuple:
 def checkpoint_recompute_codes() -> tuple:
     """The code objects of ``torch.utils.checkpoint``'s recomputation of a forward: the
     reentrant ``CheckpointFunction.backward`` and the ``recompute_fn`` the non-reentrant
-    ``_checkpoint_without_reentrant_generator`` defines (2.11.0-2.15.0; private, no public
-    way to tell a recomputation from other backward code). A draw under one of them that no
+    generator defines (in ``_checkpoint_without_reentrant_generator`` up to 2.14, in its
+    ``_impl`` in 2.15: looked for in every function of the module; private, no public way
+    to tell a recomputation from other backward code). A draw under one of them that no
     saved RNG state replays is recomputed with ``preserve_rng_state=False``."""
     from torch.utils import checkpoint
 
     codes = [checkpoint.CheckpointFunction.backward.__code__]
-    generator = getattr(checkpoint, "_checkpoint_without_reentrant_generator", None)
-    if generator is not None:
-        codes += [c for c in generator.__code__.co_consts
-                  if isinstance(c, types.CodeType) and c.co_name == "recompute_fn"]
-    return tuple(codes)
+    for function in vars(checkpoint).values():
+        if isinstance(function, types.FunctionType) and function.__module__ == checkpoint.__name__:
+            codes += [c for c in function.__code__.co_consts
+                      if isinstance(c, types.CodeType) and c.co_name == "recompute_fn"]
+    return tuple(codes)  # a release without recompute_fn fails the non-reentrant refusal's test
 
 
 def trunc_normal_redraws() -> bool:
