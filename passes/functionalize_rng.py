@@ -332,7 +332,8 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
         numel = sympy.Mul(*global_shape) if global_shape else sympy.Integer(1)
         module = None
         # a batched graph's permutation is a replica too, as eager code draws it: no rows
-        whole = batch is None or (not pending and node.target in DRAWN_WHOLE)
+        drawn_whole = not pending and node.target in DRAWN_WHOLE
+        whole = batch is None or drawn_whole
         with graph.inserting_before(node):
             if whole:
                 op_key, base_value = (
@@ -369,7 +370,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 functional = _functional_node(new)
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
-                    tuple(call.shape), call.dtype, base, advance, plan.layout, module=module,
+                    tuple(call.shape), call.dtype, base, advance, plan.layout, module=module, whole=drawn_whole,
                 )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)

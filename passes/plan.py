@@ -49,6 +49,8 @@ class RewrittenOp:
     coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
     mesh: Any = None  # the DeviceMesh of a DTensor op
     module: ModuleSite | None = None  # batched graphs: where the op sits (named streams)
+    #: drawn whole, as eager code draws it (a permutation): never at a step's rows
+    whole: bool = False
 
 
 @dataclass

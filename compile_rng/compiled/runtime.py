@@ -18,14 +18,9 @@ from compile_rng.eager import dispatch_modes
 from compile_rng.ops import make_key
 from compile_rng.passes.plan import ROWS_TOTAL, RngPlan
 from compile_rng.semantics import local_values, verify
-from compile_rng.semantics.random_ops import DRAWN_WHOLE
 from compile_rng.semantics.named_draws import current_namer
 from compile_rng.semantics.rows import Rows, current_rows, step_batch_dim
 from compile_rng.stream import state
-
-
-#: the names a plan gives the ops drawn whole (``RewrittenOp.original``)
-_DRAWN_WHOLE = tuple(str(op) for op in DRAWN_WHOLE)
 
 
 class BatchKey:
@@ -149,7 +144,7 @@ class CompiledGraph:
         # that gives the call part of the global batch (a data-parallel rank's rows, a
         # microbatch), eager code draws at those rows and every rank or microbatch would draw
         # the same values here (a permutation has no rows: eager code draws it whole too)
-        at_rows = [op for op in self.plan.ops if op.original not in _DRAWN_WHOLE]
+        at_rows = [op for op in self.plan.ops if not op.whole]
         rows = current_rows() if at_rows else None
         if rows is None or (isinstance(rows, Rows) and rows.start == 0 and rows.count == rows.total):
             return

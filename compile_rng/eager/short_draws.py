@@ -289,9 +289,6 @@ def _small(t: Any) -> bool:
     return _dense(t) and t.numel() <= CHUNK
 
 
-_TENSOR_MATH = stream.TensorMath()
-
-
 def _bernoulli_of_input(kw: dict) -> Served | None:
     """``bernoulli(p)``, the probabilities a float32 tensor: the general path's
     ``stream.bernoulli_tensor`` on the stream's words, which the integer kernel gives
@@ -302,7 +299,7 @@ def _bernoulli_of_input(kw: dict) -> Served | None:
 
     def draw(seed: int, first: int, strides: Sequence[int]) -> torch.Tensor:
         words = integers(seed, first, 0, INTEGERS_MAX_SPAN, torch.empty(p.shape, dtype=torch.int64))
-        return stream.bernoulli_tensor(_TENSOR_MATH, words, p, torch.float32)
+        return stream.bernoulli_tensor(stream.TENSOR_MATH, words, p, torch.float32)
 
     return list(p.shape), draw
 

@@ -40,7 +40,7 @@ from compile_rng.stream.cpu_kernel import (
     philox_words,
 )
 
-_M = stream.TensorMath()
+_M = stream.TENSOR_MATH
 
 #: op name -> its CPU kernel (the function the custom op wraps), for :func:`call`
 _CPU_KERNELS: dict[str, Callable[..., Any]] = {}

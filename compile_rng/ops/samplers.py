@@ -78,7 +78,7 @@ def _unit(bits: torch.Tensor) -> torch.Tensor:
 
 def _bits_at(key: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
     """``random_bits`` at counters ``key[1] + rel``: the contract's Philox in torch ops."""
-    m = stream.TensorMath()
+    m = stream.TENSOR_MATH
     seed, base = key[0], key[1]
     words = stream.key_words(m, seed)
     block_lo, block_hi, lane = stream.block_and_lane(m, base, rel)

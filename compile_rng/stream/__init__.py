@@ -134,6 +134,10 @@ class TensorMath:
     sin = staticmethod(torch.sin)
 
 
+#: the one :class:`TensorMath` (it holds no state) every eager caller shares
+TENSOR_MATH = TensorMath()
+
+
 # --- Philox on the Math protocol (int64 values holding uint32 words) -----------------
 
 
