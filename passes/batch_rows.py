@@ -50,17 +50,17 @@ class BatchRows:
         module's draw whose first two dims have one size, a declared dim on a 4-D draw whose
         dim 0 has the batch's size too (``scaled_dot_product_attention``'s dropout)."""
         module = torch_module_layout(node)
-        dim = 0 if module is not None and module[1] else self.plan.batch_dim
+        dim = 0 if module is not None and module.batch_major else self.plan.batch_dim
         if len(global_shape) <= dim:
             raise NotImplementedError(
                 f"compile_rng: {node.target} at {source_of(node)} draws a tensor of shape {tuple(global_shape)} in a "
                 f"batched graph, whose random ops must all have the batch at dim {dim} (the step's batch_dim)"
             )
-        if module is not None and not module[1] and len(global_shape) > 1:
+        if module is not None and not module.batch_major and len(global_shape) > 1:
             self._assume(
                 global_shape[0] - global_shape[1], False,
-                f"{node.target} at {source_of(node)} in torch's {module[0]} draws on a tensor of shape "
-                f"{tuple(global_shape)} in a batched graph: {module[0]} runs sequence-major activations "
+                f"{node.target} at {source_of(node)} in torch's {module.name} draws on a tensor of shape "
+                f"{tuple(global_shape)} in a batched graph: {module.name} runs sequence-major activations "
                 "(seq, batch, ...) unless batch-first, and with the sequence as long as the batch the graph "
                 "cannot tell which dim is the batch. Run this module eagerly in the step (compile_rng reads "
                 "its layout there), or give it a sequence of another length",
@@ -96,7 +96,13 @@ class BatchRows:
     def row_numel(self, node: fx.Node, global_shape: tuple, dim: int) -> sympy.Expr:
         """Elements per batch row of an op whose (DTensor-global) shape ``global_shape`` has
         the batch at ``dim``; checks that dim is the graph's local batch."""
-        rows = global_shape[dim]
+        heads = self._heads(node, global_shape)
+        rows = sympy.simplify(global_shape[dim] / heads)
+        if not rows.is_integer:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} draws on a tensor of shape {tuple(global_shape)} "
+                f"in torch's MultiheadAttention, whose dim 0 should hold the batch times its {heads} heads"
+            )
         if self.plan.local_rows is None:
             self.plan.local_rows = rows
         else:
@@ -107,7 +113,32 @@ class BatchRows:
                 f"batch at dim {dim} (the step's batch_dim, or torch's module's layout); draw other randomness "
                 "outside the batched region",
             )
-        return sympy.Mul(*(s for i, s in enumerate(global_shape) if i != dim))
+        return heads * sympy.Mul(*(s for i, s in enumerate(global_shape) if i != dim))
+
+    def _heads(self, node: fx.Node, global_shape: tuple) -> int:
+        """Entries per batch row along the batch dim: 1, but ``nn.MultiheadAttention`` with
+        ``need_weights=True`` drops on ``(batch * heads, L, S)``, a batch row's heads
+        consecutive - the layout eager code draws (:mod:`compile_rng.eager.batch_dims`)."""
+        module = torch_module_layout(node)
+        if module is None or module.name != "MultiheadAttention" or len(global_shape) != 3:
+            return 1
+        heads = self.plan.attention_heads.get(module.key)
+        if heads is None:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} in torch's MultiheadAttention draws on a tensor of "
+                f"shape {tuple(global_shape)} ((batch * heads, L, S): need_weights=True) in a batched graph, and "
+                "its head count is not in the graph Dynamo traced. Pass need_weights=False (its dropout then runs "
+                "on (batch, heads, L, S)), or run the module eagerly in the step"
+            )
+        if heads != 1 and self.plan.row_stride != 1:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} draws on a tensor of shape {tuple(global_shape)} "
+                "(MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)) in a batched graph compiled "
+                "in a step whose rows are interleaved: a batch row's heads are not evenly spaced in the global "
+                "tensor. Pass need_weights=False to nn.MultiheadAttention (its dropout then runs on (batch, heads, "
+                "L, S)), or give the step contiguous rows"
+            )
+        return heads
 
     def key_and_offset(self, offset: sympy.Expr, site: int) -> tuple[fx.Node, Any]:
         """Random op ``site``'s key node and its SymInt offset: the key is ``key[:2] ^

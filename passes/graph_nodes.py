@@ -3,7 +3,8 @@ expressions, and new call nodes with their fake values."""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -37,21 +38,46 @@ SEQUENCE_MAJOR_MODULES = ("RNN", "LSTM", "GRU", "TransformerEncoderLayer", "Tran
 BATCH_MAJOR_MODULES = ("MultiheadAttention",)
 
 
-def torch_module_layout(node: fx.Node) -> tuple[str, bool] | None:
+class ModuleLayout(NamedTuple):
+    """One of torch's modules that says the layout of its random ops' activations."""
+
+    name: str  # its class name
+    batch_major: bool  # True: batch-major (:data:`BATCH_MAJOR_MODULES`); False: maybe sequence-major
+    key: str  # its entry in Dynamo's ``nn_module_stack`` (the same in every graph traced from it)
+
+
+def torch_module_layout(node: fx.Node) -> ModuleLayout | None:
     """The innermost of torch's modules around ``node`` that says the layout of its random
-    ops' activations (Dynamo's ``nn_module_stack``): ``(class name, True)`` for a batch-major
-    one (:data:`BATCH_MAJOR_MODULES`), ``(class name, False)`` for one that may run them
-    sequence-major (:data:`SEQUENCE_MAJOR_MODULES`), None where there is none."""
-    for _path, cls in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+    ops' activations (Dynamo's ``nn_module_stack``), None where there is none."""
+    for key, (_path, cls) in reversed(list((node.meta.get("nn_module_stack") or {}).items())):
         name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
         module = getattr(cls, "__module__", str(cls))
         if not str(module).startswith("torch.nn"):
             continue
         if name in BATCH_MAJOR_MODULES:
-            return name, True
+            return ModuleLayout(name, True, key)
         if name in SEQUENCE_MAJOR_MODULES:
-            return name, False
+            return ModuleLayout(name, False, key)
     return None
+
+
+def attention_heads(gm: fx.GraphModule) -> dict[str, int]:
+    """``nn_module_stack`` key -> ``num_heads`` of each ``nn.MultiheadAttention`` call in
+    Dynamo's graph ``gm`` (and the graphs it holds). Dynamo keeps
+    ``F.multi_head_attention_forward`` as one call whose arguments hold the module's head
+    count; AOTAutograd's graph of it has only the product ``batch * heads`` in the shape its
+    attention dropout draws on with ``need_weights=True``."""
+    signature = inspect.signature(torch.nn.functional.multi_head_attention_forward)
+    heads: dict[str, int] = {}
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="call_function", target=torch.nn.functional.multi_head_attention_forward):
+            layout = torch_module_layout(node)
+            count = signature.bind(*node.args, **node.kwargs).arguments["num_heads"]
+            if layout is not None and isinstance(count, int):
+                heads[layout.key] = count
+    return heads
 
 
 def expr(v: Any) -> sympy.Expr:

@@ -117,6 +117,10 @@ class RngPlan:
     #: graph as ``(scope, root, path) -> calls`` (the backend reads them off Dynamo's graph)
     key_table_rows: int = 0
     module_calls: dict = field(default_factory=dict)
+    #: batched graphs: each ``nn.MultiheadAttention`` call's ``num_heads`` by its
+    #: ``nn_module_stack`` key (the backend reads them off Dynamo's graph): with
+    #: ``need_weights=True`` its dropout draws on ``(batch * heads, L, S)``
+    attention_heads: dict = field(default_factory=dict)
 
     @property
     def loaded_from_cache(self) -> bool:

@@ -275,6 +275,39 @@ def test_multihead_attention_draws_the_one_process_rows_with_or_without_weights(
     assert not torch.allclose(_attention(need_weights, x[:2], rows=[0, 1], global_batch=4), whole[2:])
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_compiled_multihead_attention_draws_the_eager_rows(need_weights):
+    """A batched graph's ``nn.MultiheadAttention``: with ``need_weights=True`` its dropout
+    draws on ``(batch * heads, L, S)``, and the graph was refused (its batch looked
+    ``heads`` times the step's). Now the head count comes from the module's call in
+    Dynamo's graph: compiled draws eager's values for the whole batch, a rank's rows and
+    microbatches (the second size recompiles dynamic: ``batch * heads`` is then a symbol's
+    multiple). float64, so matmul rounding stays far below a mask's difference."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.4, batch_first=True, dtype=torch.float64)
+    x = torch.randn(4, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda t: mha(t, t, t, need_weights=need_weights)[0],
+        backend=compile_rng.backend(layout="invariant", batched=True),
+    )
+
+    def run(fn, parts: int = 1, **step) -> tuple[torch.Tensor, tuple]:
+        compile_rng.manual_seed(7)
+        rows = x if not step else x[2:]
+        with compile_rng.step(rows.shape[0], **step) as s:
+            outs = []
+            for part in rows.chunk(parts):
+                with s.microbatch(part.shape[0]):
+                    outs.append(fn(part))
+        return torch.cat(outs), compile_rng.get_state()
+
+    for parts, step in ((1, {}), (1, {"rows": [2, 3], "global_batch": 4}), (2, {})):
+        want, want_state = run(lambda t: mha(t, t, t, need_weights=need_weights)[0], parts, **step)
+        got, state = run(compiled, parts, **step)
+        assert state == want_state and (got - want).abs().max() < 1e-12, (parts, step)
+
+
 def test_multihead_attention_with_weights_refuses_interleaved_rows():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="need_weights=False"):
