@@ -28,6 +28,20 @@ from compile_rng.passes.sym_emit import SymEmitter
 from torch import fx
 
 
+def declared_dim(node: fx.Node, plan: RngPlan) -> int | None:
+    """The batch dim a torch module around ``node`` says its draw has, as eager code in a step
+    reads it (:mod:`compile_rng.eager.batch_dims`), None where no module says it (the step's
+    ``batch_dim`` then). A module the backend could not read from the compiled frame counts as
+    its kind's default: batch-major attention 0, sequence-major layers 1 (``batch_first=False``)."""
+    module = torch_module_layout(node)
+    if module is None:
+        return None
+    layout = plan.module_layouts.get(module.key)
+    if layout is not None:
+        return layout[0]
+    return 0 if module.batch_major else 1
+
+
 class BatchRows:
     """A batched graph's rows: the key input ``[seed, base, row_start, rows_total]`` split
     into the ops' key and the runtime row values, and the per-op offset terms in them."""
@@ -44,19 +58,27 @@ class BatchRows:
 
     def batch_dim(self, node: fx.Node, global_shape: tuple, dtensor: bool) -> int:
         """The dim of an op's (DTensor-global) shape ``global_shape`` that holds the batch:
-        0 inside torch's batch-major modules, else the one the step declared when the graph
-        compiled (``plan.batch_dim``). Refuses what the graph cannot tell apart, as an eager
+        the one a torch module around it says (:func:`declared_dim`), else the one the step
+        declared when the graph compiled (``plan.batch_dim``). Refuses what the graph cannot tell apart, as an eager
         step does (:func:`~compile_rng.semantics.rows.batch_window`): a sequence-major
         module's draw whose first two dims have one size, a declared dim on a 4-D draw whose
         dim 0 has the batch's size too (``scaled_dot_product_attention``'s dropout)."""
         module = torch_module_layout(node)
-        dim = 0 if module is not None and module.batch_major else self.plan.batch_dim
+        declared = declared_dim(node, self.plan)
+        dim = self.plan.batch_dim if declared is None else declared
         if len(global_shape) <= dim:
             raise NotImplementedError(
                 f"compile_rng: {node.target} at {source_of(node)} draws a tensor of shape {tuple(global_shape)} in a "
                 f"batched graph, whose random ops must all have the batch at dim {dim} (the step's batch_dim)"
             )
-        if module is not None and not module.batch_major and len(global_shape) > 1:
+        read = module is not None and module.key in self.plan.module_layouts
+        if module is not None and not module.batch_major and len(global_shape) != 3:
+            raise NotImplementedError(
+                f"compile_rng: {node.target} at {source_of(node)} in torch's {module.name} draws on a tensor of shape "
+                f"{tuple(global_shape)} in a batched graph: {module.name}'s activations are (seq, batch, ...) or "
+                "(batch, seq, ...), so its rows of the step's batch are unknown. Give the module a batched input"
+            )
+        if module is not None and not module.batch_major and not read:
             self._assume(
                 global_shape[0] - global_shape[1], False,
                 f"{node.target} at {source_of(node)} in torch's {module.name} draws on a tensor of shape "
@@ -122,12 +144,13 @@ class BatchRows:
         module = torch_module_layout(node)
         if module is None or module.name != "MultiheadAttention" or len(global_shape) != 3:
             return 1
-        heads = self.plan.attention_heads.get(module.key)
+        layout = self.plan.module_layouts.get(module.key)
+        heads = layout[1] if layout is not None else None
         if heads is None:
             raise NotImplementedError(
                 f"compile_rng: {node.target} at {source_of(node)} in torch's MultiheadAttention draws on a tensor of "
                 f"shape {tuple(global_shape)} ((batch * heads, L, S): need_weights=True) in a batched graph, and "
-                "its head count is not in the graph Dynamo traced. Pass need_weights=False (its dropout then runs "
+                "its module could not be read from the compiled frame. Pass need_weights=False (its dropout then runs "
                 "on (batch, heads, L, S)), or run the module eagerly in the step"
             )
         if heads != 1 and self.plan.row_stride != 1:

@@ -58,7 +58,7 @@ import sympy
 import torch
 from compile_rng._torch.core_internals import detect_fake_mode
 from compile_rng._torch.dynamo_internals import dynamo_module_call, dynamo_module_source
-from compile_rng.passes.batch_rows import BatchRows
+from compile_rng.passes.batch_rows import BatchRows, declared_dim
 from compile_rng.passes.dropout_backward import dropout_backward_from_stream
 from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of
 from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, RewrittenOp, RngPlan, Unsupported
@@ -371,6 +371,7 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
                     tuple(call.shape), call.dtype, base, advance, plan.layout, module=module, whole=drawn_whole,
+                    batch_dim=declared_dim(node, plan),
                 )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)

@@ -3,7 +3,6 @@ expressions, and new call nodes with their fake values."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 import sympy
@@ -61,23 +60,39 @@ def torch_module_layout(node: fx.Node) -> ModuleLayout | None:
     return None
 
 
-def attention_heads(gm: fx.GraphModule) -> dict[str, int]:
-    """``nn_module_stack`` key -> ``num_heads`` of each ``nn.MultiheadAttention`` call in
-    Dynamo's graph ``gm`` (and the graphs it holds). Dynamo keeps
-    ``F.multi_head_attention_forward`` as one call whose arguments hold the module's head
-    count; AOTAutograd's graph of it has only the product ``batch * heads`` in the shape its
-    attention dropout draws on with ``need_weights=True``."""
-    signature = inspect.signature(torch.nn.functional.multi_head_attention_forward)
-    heads: dict[str, int] = {}
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
+def torch_modules(gm: fx.GraphModule, scopes: tuple[dict, dict] | None) -> dict[str, Any]:
+    """``nn_module_stack`` key -> the module, for each of torch's layout modules in Dynamo's
+    graph ``gm`` (and the graphs it holds), found from ``scopes`` (the compiled frame's
+    locals and globals: :func:`~compile_rng._torch.dynamo_internals.compiling_scopes`). A
+    path that does not lead to the module Dynamo keyed (a first call's key is its ``id``) is
+    left out."""
+    found: dict[str, Any] = {}
+    if scopes is None:
+        return found
+    for graph in gm.modules():
+        if not isinstance(graph, fx.GraphModule):
             continue
-        for node in module.graph.find_nodes(op="call_function", target=torch.nn.functional.multi_head_attention_forward):
-            layout = torch_module_layout(node)
-            count = signature.bind(*node.args, **node.kwargs).arguments["num_heads"]
-            if layout is not None and isinstance(count, int):
-                heads[layout.key] = count
-    return heads
+        for node in graph.graph.nodes:
+            for key, (path, cls) in (node.meta.get("nn_module_stack") or {}).items():
+                name = getattr(cls, "__name__", "")
+                if key in found or name not in BATCH_MAJOR_MODULES + SEQUENCE_MAJOR_MODULES:
+                    continue
+                module = _resolve(path, scopes)
+                if module is not None and str(id(module)) == key.partition("@")[0]:
+                    found[key] = module
+    return found
+
+
+def _resolve(path: str, scopes: tuple[dict, dict]) -> Any:
+    source = dynamo_module_source(path)
+    if source is None:
+        return None
+    scope, root, dotted = source
+    base = (scopes[1] if scope == "G" else scopes[0]).get(root)
+    try:
+        return base.get_submodule(dotted) if isinstance(base, torch.nn.Module) else None
+    except AttributeError:
+        return None
 
 
 def expr(v: Any) -> sympy.Expr:

@@ -49,6 +49,10 @@ class RewrittenOp:
     coords: tuple = ()  # the symbols of the mesh coordinate in ``start``, by mesh dim
     mesh: Any = None  # the DeviceMesh of a DTensor op
     module: ModuleSite | None = None  # batched graphs: where the op sits (named streams)
+    #: the batch dim eager code in a step draws the op at, where a torch module around it
+    #: says it (None: the step's ``batch_dim``); a module whose layout was not read counts as
+    #: its default, sequence-major (1)
+    batch_dim: int | None = None
     #: drawn whole, as eager code draws it (a permutation): never at a step's rows
     whole: bool = False
 
@@ -117,10 +121,10 @@ class RngPlan:
     #: graph as ``(scope, root, path) -> calls`` (the backend reads them off Dynamo's graph)
     key_table_rows: int = 0
     module_calls: dict = field(default_factory=dict)
-    #: batched graphs: each ``nn.MultiheadAttention`` call's ``num_heads`` by its
-    #: ``nn_module_stack`` key (the backend reads them off Dynamo's graph): with
-    #: ``need_weights=True`` its dropout draws on ``(batch * heads, L, S)``
-    attention_heads: dict = field(default_factory=dict)
+    #: ``(dim, heads)`` that each of torch's layout modules in the graph says of its random
+    #: ops' activations (:func:`compile_rng.eager.batch_dims.declared_layout`), by its
+    #: ``nn_module_stack`` key (the backend reads the modules from the compiled frame)
+    module_layouts: dict = field(default_factory=dict)
 
     @property
     def loaded_from_cache(self) -> bool:

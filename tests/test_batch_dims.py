@@ -203,6 +203,61 @@ def test_a_compiled_batched_graph_refuses_what_it_cannot_tell():
             attention(torch.ones(BATCH, BATCH, 3, 4))
 
 
+def _layers(seq: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A batch-first and a sequence-first ``TransformerEncoderLayer`` with one set of
+    weights, and a ``(batch, seq, d)`` input."""
+    torch.manual_seed(0)
+    first = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.3, batch_first=True, dtype=torch.float64).train()
+    major = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.3, batch_first=False, dtype=torch.float64).train()
+    major.load_state_dict(first.state_dict())
+    return first, major, torch.randn(BATCH, seq, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+
+def _layer_in_step(layer, x, batch_dim=0):
+    compile_rng.manual_seed(3)
+    with compile_rng.step(BATCH, batch_dim=batch_dim):
+        return layer(x), compile_rng.get_state()
+
+
+@pytest.mark.parametrize("seq", [5, BATCH])
+def test_a_batch_first_layer_draws_its_sequence_major_twins_masks(seq):
+    """``TransformerEncoderLayer(batch_first=True)`` keeps ``batch_first`` only in its
+    attention: the layer's rule read the layer, found nothing and took dim 1 for the batch -
+    refused for a sequence of 5, other masks silently where the sequence is as long as the
+    batch. Now the batch-first layer on ``(batch, seq, d)`` is its sequence-first twin on the
+    transpose, eagerly and in a batched graph (which reads the module from the compiled
+    frame: the sequence as long as the batch is no longer refused)."""
+    first, major, x = _layers(seq)
+    want, state = _layer_in_step(major, x.transpose(0, 1))
+    got, got_state = _layer_in_step(first, x)
+    assert got_state == state and torch.equal(got, want.transpose(0, 1))
+    torch._dynamo.reset()
+    compiled, compiled_state = _layer_in_step(torch.compile(first, backend=_batched()), x)
+    assert compiled_state == state and (compiled - got).abs().max() < 1e-12
+    first.eval()
+    assert not torch.allclose(first(x), got)  # the dropouts drew
+
+
+def test_a_graph_without_batched_refuses_a_batch_not_at_dim_0():
+    """A graph compiled without ``batched=True`` draws row-major at its call's counters: in a
+    step over the whole batch that is eager code's draw only where the batch is dim 0. A
+    step's ``batch_dim=1`` or a sequence-first torch layer drew other values, silently; both
+    are refused now, and the batch-first layer still runs."""
+    first, major, x = _layers(5)
+    torch._dynamo.reset()
+    plain = compile_rng.backend(layout="invariant")
+    with pytest.raises(NotImplementedError, match=r"batch is not dim 0 \(aten.native_dropout.default at .*dim 1"):
+        _layer_in_step(torch.compile(major, backend=plain), x.transpose(0, 1))
+    torch._dynamo.reset()
+    dropout = torch.compile(lambda t: F.dropout(t, 0.5), backend=plain)
+    with pytest.raises(NotImplementedError, match="batch is not dim 0"):
+        _layer_in_step(dropout, torch.ones(3, BATCH), batch_dim=1)
+    torch._dynamo.reset()
+    got, state = _layer_in_step(torch.compile(first, backend=plain), x)
+    want, want_state = _layer_in_step(first, x)
+    assert state == want_state and (got - want).abs().max() < 1e-12
+
+
 def test_a_compiled_batch_dim_is_a_constant_of_the_graph():
     torch._dynamo.reset()
     dropout = torch.compile(lambda t: F.dropout(t, 0.5), backend=_batched())

@@ -30,6 +30,7 @@ __all__ = [
     "autograd_cache_off",
     "compile_failures",
     "compiled_frame",
+    "compiling_scopes",
     "copy_dynamo_input_sources",
     "default_partition",
     "donated_buffers",
@@ -323,6 +324,20 @@ def compiled_frame(skip: tuple[str, ...]) -> Any:
     ):
         frame = frame.f_back
     return frame
+
+
+def compiling_scopes() -> tuple[dict, dict] | None:
+    """``(locals, globals)`` of the frame Dynamo is compiling, read while a backend compiles
+    its graph: the paths in the graph's ``nn_module_stack`` start there. Dynamo's
+    ``InstructionTranslator.current_tx()`` is set for the whole of its trace, the backend's
+    compile included (2.11.0, 2.13.0, 2.15.0); None where it cannot be read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return dict(tx.f_locals), dict(tx.f_globals)
+    except Exception:  # noqa: BLE001  (no trace, or another API: the callers fall back)
+        return None
 
 
 def is_resume_frame(frame: Any) -> bool:

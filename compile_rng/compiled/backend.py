@@ -28,8 +28,8 @@ from compile_rng.compiled.inner_compilers import INNERS, compile_inner
 from compile_rng.compiled.key_input import graph_device, key_table_rows, with_key_input
 from compile_rng.compiled.runtime import CompiledGraph
 from compile_rng.debug.dumps import dumping, write_plan
-from compile_rng.eager import dispatch_modes, tracker
-from compile_rng.passes.graph_nodes import attention_heads, module_calls
+from compile_rng.eager import batch_dims, dispatch_modes, tracker
+from compile_rng.passes.graph_nodes import module_calls, torch_modules
 from compile_rng.passes.plan import RngPlan
 from compile_rng.semantics import layouts, verify
 from compile_rng.semantics.rows import current_row_stride, step_batch_dim
@@ -101,7 +101,10 @@ class Backend:
         device = graph_device(gm, list(example_inputs))
         if self.config.batched:
             plan.key_table_rows, plan.module_calls = key_table_rows(gm), module_calls(gm)
-            plan.attention_heads = attention_heads(gm)
+        plan.module_layouts = {
+            key: batch_dims.declared_layout(module)
+            for key, module in torch_modules(gm, dynamo_internals.compiling_scopes()).items()
+        }
         keyed_gm, inputs = with_key_input(gm, list(example_inputs), self.config.batched, device, plan.key_table_rows)
         output_layouts = local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
         check = verify.enabled(self.config.verify)

@@ -139,24 +139,40 @@ class CompiledGraph:
             self.groups.extend(verify.groups_of(meshes, self.verify_over))
         verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
 
-    def _refuse_part_of_a_batch(self) -> None:
-        # Without batched=True the graph's ops draw at this call's own counters: in a step
-        # that gives the call part of the global batch (a data-parallel rank's rows, a
-        # microbatch), eager code draws at those rows and every rank or microbatch would draw
-        # the same values here (a permutation has no rows: eager code draws it whole too)
+    def _refuse_in_a_step(self) -> None:
+        """Without batched=True the graph's ops draw at this call's own counters, row-major.
+        In a step eager code draws at the step's rows, the batch outermost along each op's
+        batch dim: the same values only for the whole batch along dim 0. Part of the batch
+        (a data-parallel rank's rows, a microbatch) would draw the same values on every rank
+        and microbatch; another batch dim (``step(batch_dim=1)``, a sequence-major torch
+        module) other values. A permutation has no rows: eager code draws it whole too."""
         at_rows = [op for op in self.plan.ops if not op.whole]
         rows = current_rows() if at_rows else None
-        if rows is None or (isinstance(rows, Rows) and rows.start == 0 and rows.count == rows.total):
+        if rows is None:
             return
-        ops = ", ".join(f"{op.original} at {op.source}" for op in at_rows)
-        raise NotImplementedError(
-            f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) in a "
-            "compile_rng.step / microbatch that holds part of the step's global batch, but it was compiled "
-            "by a backend without batched=True: its ops would draw at this call's own counters, not at its "
-            "rows of the batch, so every data-parallel rank and microbatch would draw the same values "
-            "(eager code in the step draws at the rows). Compile with "
-            "compile_rng.backend(layout='invariant', batched=True)"
-        )
+        fix = "Compile with compile_rng.backend(layout='invariant', batched=True)"
+        if not (isinstance(rows, Rows) and rows.start == 0 and rows.count == rows.total):
+            ops = ", ".join(f"{op.original} at {op.source}" for op in at_rows)
+            raise NotImplementedError(
+                f"compile_rng: the compiled graph {self.plan.name} draws random numbers ({ops}) in a "
+                "compile_rng.step / microbatch that holds part of the step's global batch, but it was compiled "
+                "by a backend without batched=True: its ops would draw at this call's own counters, not at its "
+                "rows of the batch, so every data-parallel rank and microbatch would draw the same values "
+                f"(eager code in the step draws at the rows). {fix}"
+            )
+        step_dim = step_batch_dim()
+        other = [op for op in at_rows if (step_dim if op.batch_dim is None else op.batch_dim) != 0]
+        if other:
+            ops = ", ".join(
+                f"{op.original} at {op.source} (dim {step_dim if op.batch_dim is None else op.batch_dim})"
+                for op in other
+            )
+            raise NotImplementedError(
+                f"compile_rng: the compiled graph {self.plan.name} draws random numbers in a compile_rng.step on "
+                f"activations whose batch is not dim 0 ({ops}: the step's batch_dim or a sequence-major torch "
+                "module), but it was compiled by a backend without batched=True: its ops would draw row-major, "
+                f"where eager code in the step draws the batch outermost - other values. {fix}"
+            )
 
     def __call__(self, *args: Any) -> Any:
         namer = current_namer() if self.plan.ops else None
@@ -178,7 +194,7 @@ class CompiledGraph:
         if self.check:
             self._check_ranks()
         if self.key_of is None:
-            self._refuse_part_of_a_batch()
+            self._refuse_in_a_step()
             seed, offset = state.advance(self.advance(args), self.device)
             inputs = (make_key(seed, offset, self.device),)
         elif namer is None:

@@ -45,6 +45,22 @@ def _refuse(module: Any, shape: Sequence[int], layout: str, fix: str) -> NotImpl
     )
 
 
+def declared_layout(module: Any) -> tuple[int, int] | None:
+    """``(dim, heads)`` of torch's module that says the layout of its random ops'
+    activations (None for any other): the batch dim, and the entries along it per batch row
+    of a ``(batch * heads, L, S)`` draw (``nn.MultiheadAttention``'s with weights). A
+    Transformer layer does not keep its ``batch_first`` (torch 2.11-2.15); its attention,
+    built with it, does. Eager rules below and compiled graphs
+    (:mod:`compile_rng.passes.batch_rows`) read it here."""
+    if isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)):
+        return 1, 1
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return (0 if getattr(module.self_attn, "batch_first", False) else 1), 1
+    if isinstance(module, nn.MultiheadAttention):
+        return 0, module.num_heads
+    return None
+
+
 def _rules() -> dict[int, Rule]:
     """``id`` of a module method's code -> its rule (the methods live as long as torch)."""
     def recurrent(module: Any, frame: Any, shape: Sequence[int]) -> BatchDim:
@@ -64,7 +80,7 @@ def _rules() -> dict[int, Rule]:
             raise _refuse(
                 module, shape, "its activations are unbatched (seq, d_model)", "Give the layer a batched input"
             )
-        if getattr(module, "batch_first", False):
+        if declared_layout(module)[0] == 0:
             return BatchDim(0, f"{type(module).__name__}(batch_first=True)")
         return BatchDim(1, f"{type(module).__name__}(batch_first=False) is sequence-major")
 
@@ -73,7 +89,7 @@ def _rules() -> dict[int, Rule]:
             return BatchDim(0, "MultiheadAttention's attention dropout is batch-major")
         if len(shape) == 3:
             return BatchDim(
-                0, "MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)", heads=module.num_heads
+                0, "MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)", heads=declared_layout(module)[1]
             )
         raise _refuse(
             module, shape, "its attention dropout is expected on (batch, heads, L, S) or (batch * heads, L, S)",
