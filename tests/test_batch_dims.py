@@ -14,8 +14,9 @@ The batch is outermost in the counters whichever dim holds it (contract §3.5): 
 sequence-major draw is its batch-first transpose's, against the scalar reference. Compiled
 batched graphs draw the step's declared dim too (a constant of the graph, refused in a
 step that declares another) and give the eager step's values for halves of the batch,
-interleaved rows and, on gloo ranks, DDP=2 with microbatches; the shapes they cannot
-tell apart are refused at compile time or, with dynamic sizes, per call.
+interleaved rows and, on gloo ranks, DDP=2 with microbatches. They read torch's modules
+(a layer's ``batch_first``) from the frame Dynamo compiled; where they cannot, the shapes
+they cannot tell apart are refused at compile time or, with dynamic sizes, per call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compile_rng
+from compile_rng._torch import dynamo_internals
 from compile_rng.eager import batch_dims
 from compile_rng.launch import spawn
 
@@ -180,9 +182,21 @@ def test_torch_sequence_major_modules_compiled_give_the_eager_step():
     assert not torch.equal(model.eval()(x), whole)  # the dropouts drew
 
 
-def test_a_compiled_batched_graph_refuses_what_it_cannot_tell():
+def test_a_compiled_batched_graph_reads_torchs_layer_or_refuses_what_it_cannot_tell(monkeypatch):
+    """A sequence as long as the batch: the graph reads the layer from the compiled frame
+    and draws the eager step's values. Where it cannot read it (no frame), it cannot tell
+    the batch dim from the sizes and refuses, at compile time or, dynamic, per call."""
     torch._dynamo.reset()
     layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.2, batch_first=False, dtype=torch.float64).train()
+    x = _input(seq=BATCH)
+    steps = []
+    for model in (layer, torch.compile(layer, backend=_batched())):
+        compile_rng.manual_seed(3)
+        with compile_rng.step(BATCH, batch_dim=1):
+            steps.append((model(x), compile_rng.get_state()))
+    assert steps[0][1] == steps[1][1] and (steps[0][0] - steps[1][0]).abs().max() < 1e-12
+    monkeypatch.setattr(dynamo_internals, "compiling_scopes", lambda: None)
+    torch._dynamo.reset()
     compiled = torch.compile(layer, backend=_batched())
     with pytest.raises(Exception, match="cannot tell which dim is the batch"):
         with compile_rng.step(BATCH, batch_dim=1):

@@ -343,6 +343,54 @@ def test_a_gradient_hooks_draw_is_a_replica_not_rows(shape):
     assert one.abs().max() > 0
 
 
+@pytest.mark.parametrize("hook", ["tensor", "module", "function"])
+def test_a_backward_draw_in_one_of_several_microbatches_is_refused(hook):
+    """Each microbatch's backward runs the hooks one call on the whole batch runs once: an
+    activation's gradient noise was drawn as the same replica in every microbatch, and the
+    step ended 8 counters on where the whole batch ends 12 on - other values from then on,
+    silently. Now refused; a step of one microbatch over its whole batch still draws the
+    whole batch's replica."""
+    class Noisy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g + torch.randn_like(g)
+
+    layer = nn.Linear(3, 3)
+    layer.register_full_backward_hook(lambda m, gi, go: (gi[0] + torch.randn_like(gi[0]),))
+
+    def run(part):
+        x = part.clone().requires_grad_()
+        if hook == "tensor":
+            y = x * 2
+            y.register_hook(lambda g: g + torch.randn_like(g))
+        else:
+            y = layer(x) if hook == "module" else Noisy.apply(x)
+        y.sum().backward()
+        return x.grad
+
+    data = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+
+    def step(parts: int):
+        compile_rng.manual_seed(3)
+        with compile_rng.step(4) as s:
+            grads = []
+            for part in data.chunk(parts):
+                with s.microbatch(part.shape[0]):
+                    grads.append(run(part))
+        return torch.cat(grads), compile_rng.get_state()
+
+    whole, whole_state = step(1)
+    compile_rng.manual_seed(3)
+    with compile_rng.step(4):
+        assert torch.equal(run(data), whole) and compile_rng.get_state() == whole_state
+    with pytest.raises(NotImplementedError, match="drawn in backward .* inside one of several microbatches"):
+        step(2)
+
+
 def test_generator_in_a_step_draws_from_torchs_generator():
     """``generator=`` is the way to torch's generator inside a step (a shuffled DataLoader
     made there, PowerSGD's seeded projections): torch's values, the stream untouched."""

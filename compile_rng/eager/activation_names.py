@@ -380,7 +380,7 @@ def microbatch_rows_of(stages: Sequence[Any], rows: Rows, microbatches: int) -> 
                     f"compile_rng.step: the schedule ran microbatch {chunk}, but the step was given "
                     f"microbatches={microbatches}; pass the schedule's n_microbatches"
                 )
-            token = set_rows(microbatch_rows(rows, microbatches, chunk))
+            token = set_rows(microbatch_rows(rows, microbatches, chunk), split=microbatches > 1)
             try:
                 with random_kernels.refreshed():  # the rows on a backward's device thread too
                     return method(chunk, *args, **kwargs)

@@ -168,7 +168,7 @@ class Step:
         self._used += rows
         if self._start is None:
             self._start = state.snapshot()
-        token = set_rows(mine)
+        token = set_rows(mine, split=rows < self.rows.count)
         try:
             # the streams restart at the step's position (torch's CUDA generator, which code
             # between microbatches draws from, is held there, not moved back); a step's own

@@ -35,6 +35,7 @@ from compile_rng.semantics.rows import (
     ScatteredRows,
     batch_window,
     current_rows,
+    in_split_microbatch,
     step_batch_dim,
 )
 from compile_rng.stream import ceil4, contiguous_stream, contiguous_strides
@@ -121,6 +122,15 @@ def draw_rows() -> Rows | ScatteredRows | None:
     rows = current_rows()
     if rows is not None and in_backward() and not recomputation.recomputing():
         _refuse_a_recomputation_without_state()
+        if in_split_microbatch():
+            raise NotImplementedError(
+                "compile_rng: a random op drawn in backward (a gradient hook's noise, a backward hook, a custom "
+                "autograd.Function's backward; not a checkpoint's recomputation) inside one of several "
+                "microbatches of a compile_rng.step: every microbatch's backward draws it, where one call on the "
+                "step's whole batch draws it once, so the step would give other values and end elsewhere than "
+                "the one process's. Draw it once per step, after the microbatches (gradient noise in the "
+                "optimizer step), or run the step's batch as one microbatch"
+            )
         return None
     return rows
 

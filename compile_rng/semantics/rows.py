@@ -87,13 +87,25 @@ def current_row_stride() -> int:
     return rows.stride if isinstance(rows, Rows) else 1
 
 
-def set_rows(rows: Rows | ScatteredRows | None) -> contextvars.Token:
-    """Make ``rows`` current (undo with :func:`reset_rows`)."""
-    return _rows.set(rows)
+#: set inside a microbatch that holds fewer rows than its step's local batch: its
+#: backward runs the hooks that one call on the whole batch runs once
+_split: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_rng_split", default=False)
 
 
-def reset_rows(token: contextvars.Token) -> None:
-    _rows.reset(token)
+def set_rows(rows: Rows | ScatteredRows | None, split: bool = False) -> tuple[contextvars.Token, contextvars.Token]:
+    """Make ``rows`` current, ``split``: a microbatch of fewer rows than its step's (undo
+    with :func:`reset_rows`)."""
+    return _rows.set(rows), _split.set(split)
+
+
+def reset_rows(token: tuple[contextvars.Token, contextvars.Token]) -> None:
+    _rows.reset(token[0])
+    _split.reset(token[1])
+
+
+def in_split_microbatch() -> bool:
+    """Whether the code here runs in one of several microbatches of a step's local batch."""
+    return _split.get()
 
 
 _batch_dim: contextvars.ContextVar[int] = contextvars.ContextVar("compile_rng_batch_dim", default=0)
