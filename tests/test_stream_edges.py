@@ -391,6 +391,31 @@ def test_a_backward_draw_in_one_of_several_microbatches_is_refused(hook):
         step(2)
 
 
+def test_a_plain_graph_refuses_in_a_step_what_eager_code_refuses():
+    """A draw whose dim 0 is not the step's batch (``Normal.sample((2,))`` on a batch of 4)
+    is refused by eager code in a step; a graph compiled without ``batched=True`` drew it at
+    its own counters. Now it refuses too, and a draw over the batch still gives eager's."""
+    loc = torch.zeros(4, 6)
+
+    def program(t):
+        return torch.distributions.Normal(t, 1.0).sample((2,))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend="compile_rng")
+    for fn, match in ((program, "on a tensor of shape .2, 4, 6. inside compile_rng.step"),
+                      (compiled, "draws aten.normal.* on a tensor of shape .2, 4, 6. in a compile_rng.step")):
+        with pytest.raises(NotImplementedError, match=match):
+            with compile_rng.step(4):
+                fn(loc)
+    outs = []
+    for fn in (lambda t: torch.distributions.Normal(t, 1.0).sample(), torch.compile(
+            lambda t: torch.distributions.Normal(t, 1.0).sample(), backend="compile_rng")):
+        compile_rng.manual_seed(5)
+        with compile_rng.step(4):
+            outs.append((fn(loc), compile_rng.get_state()))
+    assert outs[0][1] == outs[1][1] and torch.equal(outs[0][0], outs[1][0])
+
+
 def test_generator_in_a_step_draws_from_torchs_generator():
     """``generator=`` is the way to torch's generator inside a step (a shuffled DataLoader
     made there, PowerSGD's seeded projections): torch's values, the stream untouched."""

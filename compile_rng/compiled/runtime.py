@@ -128,6 +128,8 @@ class CompiledGraph:
         self.signature = verify.signature(plan)
         self.groups: list = []
         self.pieces = LocalPieces(plan, len(placeholders), output_layouts)
+        self.placeholders = placeholders
+        self._batch_sizes: dict[tuple[int, int], SizeFn | None] = {}  # (op, dim) -> its size there
         self.table = KeyTable(plan, placeholders, device) if plan.batched else None
         # a backward compiled with donated buffers overwrites its saved tensors: it must
         # not run once they are off (Dynamo does not recompile for that setting)
@@ -139,7 +141,27 @@ class CompiledGraph:
             self.groups.extend(verify.groups_of(meshes, self.verify_over))
         verify.check(self.plan.name, *state.get_state(self.device), self.signature, self.groups)
 
-    def _refuse_in_a_step(self) -> None:
+    def _refuse_a_draw_off_the_batch(self, ops: list, dim: int, rows: int, args: Sequence[Any]) -> None:
+        """A plain op outside torch's layout modules draws at the step's rows along the
+        step's batch dim: eager code refuses a tensor whose dim is not the batch (noise of
+        another shape, ``Normal.sample((n,))``, ``vmap(randomness="same")``); so does the graph."""
+        for i, op in enumerate(ops):
+            if op.batch_dim is not None or op.sharding is not None:
+                continue
+            if (i, dim) not in self._batch_sizes:
+                size = op.local_shape[dim] if len(op.local_shape) > dim else None
+                self._batch_sizes[i, dim] = None if size is None else SizeFn(size, self.placeholders)
+            size = self._batch_sizes[i, dim]
+            if size is None or size(args) != rows:
+                raise NotImplementedError(
+                    f"compile_rng: the compiled graph {self.plan.name} draws {op.original} at {op.source} on a tensor "
+                    f"of shape {tuple(op.local_shape)} in a compile_rng.step whose batch has {rows} rows: every random "
+                    f"op in a step draws at its rows of the global batch, so dim {dim} must be the batch (eager code "
+                    "in the step refuses it too). Draw other randomness (data sampling, noise of another shape) "
+                    "outside the step block, or transpose the tensor so the batch is that dim"
+                )
+
+    def _refuse_in_a_step(self, args: Sequence[Any]) -> None:
         """Without batched=True the graph's ops draw at this call's own counters, row-major.
         In a step eager code draws at the step's rows, the batch outermost along each op's
         batch dim: the same values only for the whole batch along dim 0. Part of the batch
@@ -161,6 +183,7 @@ class CompiledGraph:
                 f"(eager code in the step draws at the rows). {fix}"
             )
         step_dim = step_batch_dim()
+        self._refuse_a_draw_off_the_batch(at_rows, step_dim, rows.count, args)
         other = [op for op in at_rows if (step_dim if op.batch_dim is None else op.batch_dim) != 0]
         if other:
             ops = ", ".join(
@@ -194,7 +217,7 @@ class CompiledGraph:
         if self.check:
             self._check_ranks()
         if self.key_of is None:
-            self._refuse_in_a_step()
+            self._refuse_in_a_step(args)
             seed, offset = state.advance(self.advance(args), self.device)
             inputs = (make_key(seed, offset, self.device),)
         elif namer is None:
