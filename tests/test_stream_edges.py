@@ -416,6 +416,42 @@ def test_a_plain_graph_refuses_in_a_step_what_eager_code_refuses():
     assert outs[0][1] == outs[1][1] and torch.equal(outs[0][0], outs[1][0])
 
 
+def _layouts(x: torch.Tensor, t: torch.Tensor) -> tuple:
+    """Random ops that keep their input's memory layout in torch: ``x`` channels_last, ``t``
+    transposed."""
+    return (F.dropout(x, 0.3), F.dropout(x.bfloat16(), 0.3), torch.rand_like(x), torch.bernoulli(x.sigmoid()),
+            F.dropout(t, 0.3), torch.randn_like(t))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_compiled_draws_keep_torchs_memory_layout(monkeypatch, isa):
+    """The functional ops draw contiguous tensors. Without AVX-512 Inductor calls them as
+    kernels (at every size; with it, float32 streams from 2**18 elements): on a channels_last
+    input their output came back in that layout where the fake said contiguous, and
+    Inductor's stride check failed the call (a CNN's dropout, crashed). With AVX-512 the
+    draws came back contiguous, where torch and stock Inductor keep the input's layout. Now
+    compiled draws have eager's values and eager's strides either way."""
+    from compile_rng._torch.inductor_internals import inductor_caches_off
+    from compile_rng.ops import lowering
+
+    monkeypatch.setattr(lowering, "inductor_vector_isa", lambda: isa)
+    x = torch.randn(4, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    t = torch.randn(4, 6, 10).transpose(1, 2)
+    torch._dynamo.reset()
+    outs = []
+    # bfloat16 dropout's scaling is bitwise where Inductor rounds as eager does (docs/state-and-checkpoints.md)
+    with inductor_caches_off(), torch._inductor.config.patch(emulate_precision_casts=True):  # keys lack the ISA
+        for fn in (_layouts, torch.compile(_layouts, backend="compile_rng")):
+            compile_rng.manual_seed(5)
+            with compile_rng.step(4):
+                outs.append((fn(x, t), compile_rng.get_state()))
+    (want, want_state), (got, state) = outs
+    assert state == want_state
+    for a, b in zip(want, got):
+        assert torch.equal(a, b) and a.stride() == b.stride(), (a.stride(), b.stride())
+    assert want[0].stride() == x.stride() and want[4].stride() == t.stride()
+
+
 def test_generator_in_a_step_draws_from_torchs_generator():
     """``generator=`` is the way to torch's generator inside a step (a shuffled DataLoader
     made there, PowerSGD's seeded projections): torch's values, the stream untouched."""

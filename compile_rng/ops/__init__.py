@@ -20,6 +20,7 @@ kernel here, a fake kernel for tracing, and an Inductor lowering in
 from __future__ import annotations
 
 import array
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,11 +48,20 @@ _CPU_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def _op(name: str) -> Callable[[Callable[..., Any]], Any]:
-    """Define ``torch.ops.compile_rng.<name>`` with the decorated function as its CPU kernel."""
+    """Define ``torch.ops.compile_rng.<name>`` with the decorated function as its CPU kernel.
+    The op's tensors are contiguous, as its fake says (Inductor checks a fallback kernel's
+    strides against the fake's): arithmetic on a ``channels_last`` input would hand back
+    that layout. The pass gives a replaced op's outputs torch's layout."""
 
     def define(fn: Callable[..., Any]) -> Any:
         _CPU_KERNELS[name] = fn
-        return torch.library.custom_op(f"compile_rng::{name}", mutates_args=())(fn)
+
+        @functools.wraps(fn)
+        def contiguous(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+        return torch.library.custom_op(f"compile_rng::{name}", mutates_args=())(contiguous)
 
     return define
 
@@ -316,11 +326,11 @@ def dropout(
     checks.check_float("dropout", x.dtype)
     if _fast_layout(x.shape, strides):
         threshold = stream.threshold32(1.0 - p)
-        if x.dtype == torch.float32 and x.is_contiguous():
+        if x.dtype == torch.float32:  # a strided x is copied once: the kernel reads it in counter order
             return _fast(FAST_DROPOUT, key, offset, x.shape, strides, threshold=threshold,
-                         scale=stream.dropout_scale(p, torch.float32), x=x)
-        # other dtypes, or a strided x: the kernel's keep mask (0.0 or 1.0), applied as the
-        # generic path applies its own
+                         scale=stream.dropout_scale(p, torch.float32), x=x.contiguous())
+        # other dtypes: the kernel's keep mask (0.0 or 1.0), applied as the generic path
+        # applies its own
         keep = _fast(FAST_BERNOULLI, key, offset, x.shape, strides, threshold=threshold)[0]
         return stream.dropout_apply(_M, x, keep, x.dtype, p), keep.bool()
 
@@ -394,7 +404,7 @@ def poisson(key: torch.Tensor, offset: int, rates: torch.Tensor, strides: Sequen
 
 @poisson.register_fake
 def _(key, offset, rates, strides):
-    return torch.empty_like(rates)
+    return _empty(key, rates.shape, rates.dtype)
 
 
 @_op("binomial")
@@ -407,7 +417,7 @@ def binomial(key: torch.Tensor, offset: int, count: torch.Tensor, prob: torch.Te
 
 @binomial.register_fake
 def _(key, offset, count, prob, strides):
-    return torch.empty_like(count)
+    return _empty(key, count.shape, count.dtype)
 
 
 @_op("standard_gamma")
@@ -420,7 +430,7 @@ def standard_gamma(key: torch.Tensor, offset: int, alpha: torch.Tensor, strides:
 
 @standard_gamma.register_fake
 def _(key, offset, alpha, strides):
-    return torch.empty_like(alpha)
+    return _empty(key, alpha.shape, alpha.dtype)
 
 
 @_op("dirichlet")
@@ -435,7 +445,7 @@ def dirichlet(key: torch.Tensor, offset: int, alpha: torch.Tensor, strides: Sequ
 
 @dirichlet.register_fake
 def _(key, offset, alpha, strides):
-    return torch.empty_like(alpha)
+    return _empty(key, alpha.shape, alpha.dtype)
 
 
 def make_key(
