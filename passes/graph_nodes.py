@@ -35,6 +35,7 @@ def source_of(node: fx.Node) -> str:
 #: (:mod:`compile_rng.eager.batch_dims` reads the same from the Python stack, eagerly).
 SEQUENCE_MAJOR_MODULES = ("RNN", "LSTM", "GRU", "TransformerEncoderLayer", "TransformerDecoderLayer")
 BATCH_MAJOR_MODULES = ("MultiheadAttention",)
+_LAYOUT_MODULES = (*BATCH_MAJOR_MODULES, *SEQUENCE_MAJOR_MODULES)
 
 
 class ModuleLayout(NamedTuple):
@@ -46,18 +47,24 @@ class ModuleLayout(NamedTuple):
 
 
 def torch_module_layout(node: fx.Node) -> ModuleLayout | None:
-    """The innermost of torch's modules around ``node`` that says the layout of its random
-    ops' activations (Dynamo's ``nn_module_stack``), None where there is none."""
+    """The innermost of torch's modules (or a subclass of one) around ``node`` that says the
+    layout of its random ops' activations (Dynamo's ``nn_module_stack``), None where there is
+    none."""
     for key, (_path, cls) in reversed(list((node.meta.get("nn_module_stack") or {}).items())):
-        name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
-        module = getattr(cls, "__module__", str(cls))
-        if not str(module).startswith("torch.nn"):
-            continue
-        if name in BATCH_MAJOR_MODULES:
-            return ModuleLayout(name, True, key)
-        if name in SEQUENCE_MAJOR_MODULES:
-            return ModuleLayout(name, False, key)
+        name = _layout_class(cls)
+        if name is not None:
+            return ModuleLayout(name, name in BATCH_MAJOR_MODULES, key)
     return None
+
+
+def _layout_class(cls: Any) -> str | None:
+    """Which of torch's layout modules ``cls`` is or derives from (a class, or the qualified
+    name Dynamo may record instead)."""
+    if isinstance(cls, type):
+        return next((n for n in _LAYOUT_MODULES if issubclass(cls, getattr(torch.nn, n))), None)
+    text = str(cls)
+    name = text.rsplit(".", 1)[-1].strip("'>")
+    return name if "torch.nn." in text and name in _LAYOUT_MODULES else None
 
 
 def torch_modules(gm: fx.GraphModule, scopes: tuple[dict, dict] | None) -> dict[str, Any]:
@@ -74,8 +81,7 @@ def torch_modules(gm: fx.GraphModule, scopes: tuple[dict, dict] | None) -> dict[
             continue
         for node in graph.graph.nodes:
             for key, (path, cls) in (node.meta.get("nn_module_stack") or {}).items():
-                name = getattr(cls, "__name__", "")
-                if key in found or name not in BATCH_MAJOR_MODULES + SEQUENCE_MAJOR_MODULES:
+                if key in found or _layout_class(cls) is None:
                     continue
                 module = _resolve(path, scopes)
                 if module is not None and str(id(module)) == key.partition("@")[0]:

@@ -217,12 +217,16 @@ def test_a_compiled_batched_graph_reads_torchs_layer_or_refuses_what_it_cannot_t
             attention(torch.ones(BATCH, BATCH, 3, 4))
 
 
-def _layers(seq: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
-    """A batch-first and a sequence-first ``TransformerEncoderLayer`` with one set of
-    weights, and a ``(batch, seq, d)`` input."""
+class _Layer(nn.TransformerEncoderLayer):
+    """A model's own layer class on torch's: its methods, so its layout, are torch's."""
+
+
+def _layers(seq: int, cls: type = nn.TransformerEncoderLayer) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A batch-first and a sequence-first ``cls`` with one set of weights, and a ``(batch,
+    seq, d)`` input."""
     torch.manual_seed(0)
-    first = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.3, batch_first=True, dtype=torch.float64).train()
-    major = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.3, batch_first=False, dtype=torch.float64).train()
+    first = cls(D, 2, 16, dropout=0.3, batch_first=True, dtype=torch.float64).train()
+    major = cls(D, 2, 16, dropout=0.3, batch_first=False, dtype=torch.float64).train()
     major.load_state_dict(first.state_dict())
     return first, major, torch.randn(BATCH, seq, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
 
@@ -233,21 +237,26 @@ def _layer_in_step(layer, x, batch_dim=0):
         return layer(x), compile_rng.get_state()
 
 
-@pytest.mark.parametrize("seq", [5, BATCH])
-def test_a_batch_first_layer_draws_its_sequence_major_twins_masks(seq):
+@pytest.mark.parametrize("seq, cls", [(5, nn.TransformerEncoderLayer), (BATCH, nn.TransformerEncoderLayer), (BATCH, _Layer)])
+def test_a_batch_first_layer_draws_its_sequence_major_twins_masks(seq, cls):
     """``TransformerEncoderLayer(batch_first=True)`` keeps ``batch_first`` only in its
     attention: the layer's rule read the layer, found nothing and took dim 1 for the batch -
     refused for a sequence of 5, other masks silently where the sequence is as long as the
     batch. Now the batch-first layer on ``(batch, seq, d)`` is its sequence-first twin on the
     transpose, eagerly and in a batched graph (which reads the module from the compiled
-    frame: the sequence as long as the batch is no longer refused)."""
-    first, major, x = _layers(seq)
+    frame: the sequence as long as the batch is no longer refused). A subclass of torch's
+    layer (its methods torch's) was taken for no layout module when compiled: batch-major,
+    where eager code draws it sequence-major - other masks, silently."""
+    first, major, x = _layers(seq, cls)
     want, state = _layer_in_step(major, x.transpose(0, 1))
     got, got_state = _layer_in_step(first, x)
     assert got_state == state and torch.equal(got, want.transpose(0, 1))
     torch._dynamo.reset()
     compiled, compiled_state = _layer_in_step(torch.compile(first, backend=_batched()), x)
     assert compiled_state == state and (compiled - got).abs().max() < 1e-12
+    torch._dynamo.reset()
+    compiled, compiled_state = _layer_in_step(torch.compile(major, backend=_batched()), x.transpose(0, 1))
+    assert compiled_state == state and (compiled - want).abs().max() < 1e-12
     first.eval()
     assert not torch.allclose(first(x), got)  # the dropouts drew
 

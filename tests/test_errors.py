@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import compile_rng
 from compile_rng.launch import spawn
@@ -221,3 +222,23 @@ def test_the_step_and_verify_build_their_collectives_on_an_nccl_groups_device(mo
             verify.check("graph", 0, 0, "sig", [dist.group.WORLD])
     assert chosen == [torch.device("cuda")] * 3
     assert built == [{"meta"}] * 3
+
+
+@pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM])
+def test_a_compiled_recurrent_dropout_torch_would_drop_is_refused(cls):
+    """With Dynamo's ``allow_rnn`` a multi-layer RNN compiles as one call, whose
+    decomposition applies no dropout between layers (a torch bug): the graph drew no masks,
+    unlike eager code. Refused; in eval mode there is no such dropout and it compiles."""
+    torch.manual_seed(0)
+    rnn = cls(6, 5, num_layers=2, dropout=0.4, batch_first=True)
+    x = torch.randn(4, 3, 6)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=rf"torch.{cls.__name__.lower()} with 2 layers and dropout=0.4 in training"):
+            torch.compile(rnn, backend="compile_rng")(x)
+        if cls is nn.LSTM:  # stock Inductor fails an eval-mode LSTM under allow_rnn (mkldnn_rnn_layer)
+            return
+        rnn.eval()
+        torch._dynamo.reset()
+        # no random op left: Inductor's arithmetic, not the stream, sets the last bits
+        torch.testing.assert_close(torch.compile(rnn, backend="compile_rng")(x)[0], rnn(x)[0])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 
 from compile_rng._torch import dynamo_internals, inductor_internals
@@ -68,6 +69,32 @@ def warn_if_split(gm: fx.GraphModule) -> None:
     )
 
 
+#: torch's recurrent ops: Dynamo keeps them as one call with ``torch._dynamo.config.allow_rnn``
+_RECURRENT = {getattr(torch, name): name for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+
+
+def refuse_recurrent_dropout(gm: fx.GraphModule) -> None:
+    """A recurrent op of several layers with dropout in training: torch's decomposition of
+    it, which AOTAutograd traces, applies no dropout between layers (its test ``num_layers
+    < i - 1`` never holds; torch 2.11-2.15), so the graph would draw no mask where eager code
+    draws one per layer. Refused; without ``allow_rnn`` Dynamo runs the module eagerly."""
+    for node in gm.graph.nodes:
+        name = _RECURRENT.get(node.target) if node.op == "call_function" else None
+        if name is None:
+            continue
+        args = node.args
+        first = 3 if isinstance(args[3], bool) else 4  # has_biases: after (input, hx, params) or (data, batch_sizes, hx, params)
+        layers, p, train = args[first + 1 : first + 4]
+        if train and layers > 1 and p > 0:
+            raise NotImplementedError(
+                f"compile_rng: torch.{name} with {layers} layers and dropout={p} in training, compiled: torch's "
+                "decomposition of it applies no dropout between layers (torch/_decomp/decompositions.py, "
+                "_rnn_helper), so the compiled graph would draw no masks where eager code draws them. Leave "
+                "torch._dynamo.config.allow_rnn off (Dynamo then runs the module eagerly, on the stream), or set "
+                "the module's dropout to 0 and drop between single-layer modules"
+            )
+
+
 #: Plans a backend keeps: a process that recompiles for ever (new shapes, new models)
 #: must not grow for ever; ``explain`` and the tests read the recent ones.
 PLANS_KEPT = 1024
@@ -93,6 +120,7 @@ class Backend:
             )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         warn_if_split(gm)
+        refuse_recurrent_dropout(gm)
         plan = RngPlan(
             name=graph_name(gm), layout=self.config.layout, collect_unsupported=self.config.collect_unsupported,
             batched=self.config.batched, row_stride=current_row_stride() if self.config.batched else 1,
@@ -101,10 +129,8 @@ class Backend:
         device = graph_device(gm, list(example_inputs))
         if self.config.batched:
             plan.key_table_rows, plan.module_calls = key_table_rows(gm), module_calls(gm)
-        plan.module_layouts = {
-            key: batch_dims.declared_layout(module)
-            for key, module in torch_modules(gm, dynamo_internals.compiling_scopes()).items()
-        }
+        layouts = {key: batch_dims.declared_layout(m) for key, m in torch_modules(gm, dynamo_internals.compiling_scopes()).items()}
+        plan.module_layouts = {key: layout for key, layout in layouts.items() if layout is not None}
         keyed_gm, inputs = with_key_input(gm, list(example_inputs), self.config.batched, device, plan.key_table_rows)
         output_layouts = local_shards.rewrite(keyed_gm)  # random ops on a TP rank's plain local tensors
         check = verify.enabled(self.config.verify)

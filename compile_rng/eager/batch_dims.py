@@ -45,20 +45,34 @@ def _refuse(module: Any, shape: Sequence[int], layout: str, fix: str) -> NotImpl
     )
 
 
+#: the methods of torch's layout modules whose code the eager rules below are keyed on
+_RULE_METHODS = {
+    **{cls: ("forward",) for cls in (nn.RNN, nn.LSTM, nn.GRU, nn.MultiheadAttention)},
+    **{cls: ("forward", "_sa_block", "_mha_block", "_ff_block")
+       for cls in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)},
+}
+
+
 def declared_layout(module: Any) -> tuple[int, int] | None:
     """``(dim, heads)`` of torch's module that says the layout of its random ops'
     activations (None for any other): the batch dim, and the entries along it per batch row
-    of a ``(batch * heads, L, S)`` draw (``nn.MultiheadAttention``'s with weights). A
-    Transformer layer does not keep its ``batch_first`` (torch 2.11-2.15); its attention,
-    built with it, does. Eager rules below and compiled graphs
-    (:mod:`compile_rng.passes.batch_rows`) read it here."""
-    if isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)):
+    of a ``(batch * heads, L, S)`` draw (``nn.MultiheadAttention``'s with weights). A subclass that overrides a method the eager rules read is none:
+    which code draws is not known here (the eager rules below see it on the stack). Compiled
+    graphs (:mod:`compile_rng.passes.batch_rows`) read it here."""
+    base = next((cls for cls in _RULE_METHODS if isinstance(module, cls)), None)
+    if base is None or any(getattr(type(module), m, None) is not getattr(base, m, None) for m in _RULE_METHODS[base]):
+        return None
+    if base in (nn.RNN, nn.LSTM, nn.GRU):
         return 1, 1
-    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return (0 if getattr(module.self_attn, "batch_first", False) else 1), 1
-    if isinstance(module, nn.MultiheadAttention):
+    if base is nn.MultiheadAttention:
         return 0, module.num_heads
-    return None
+    return _layer_dim(module), 1
+
+
+def _layer_dim(layer: Any) -> int:
+    """A Transformer layer's batch dim: it does not keep its ``batch_first`` (torch
+    2.11-2.15); its attention, built with it, does."""
+    return 0 if getattr(layer.self_attn, "batch_first", False) else 1
 
 
 def _rules() -> dict[int, Rule]:
@@ -80,7 +94,7 @@ def _rules() -> dict[int, Rule]:
             raise _refuse(
                 module, shape, "its activations are unbatched (seq, d_model)", "Give the layer a batched input"
             )
-        if declared_layout(module)[0] == 0:
+        if _layer_dim(module) == 0:
             return BatchDim(0, f"{type(module).__name__}(batch_first=True)")
         return BatchDim(1, f"{type(module).__name__}(batch_first=False) is sequence-major")
 
@@ -89,7 +103,7 @@ def _rules() -> dict[int, Rule]:
             return BatchDim(0, "MultiheadAttention's attention dropout is batch-major")
         if len(shape) == 3:
             return BatchDim(
-                0, "MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)", heads=declared_layout(module)[1]
+                0, "MultiheadAttention(need_weights=True) drops on (batch * heads, L, S)", heads=module.num_heads
             )
         raise _refuse(
             module, shape, "its attention dropout is expected on (batch, heads, L, S) or (batch * heads, L, S)",
