@@ -17,7 +17,9 @@ all cores) it times:
   choice made as on AVX-512 (", fused": float32 under 256K elements and float64 fused),
   and the eager functional ops (the C kernel plus tensor transforms);
 * baselines: eager ``uniform_`` / ``normal_`` / ``F.dropout``, the same three compiled
-  by stock Inductor, and ``fill_`` (memset floor).
+  by stock Inductor, and ``fill_`` (memset floor);
+* ``F.dropout`` of a ``channels_last`` 4-D tensor (a CNN's activation, whose layout the
+  draws keep): eager, stock Inductor and compile_rng.
 
 ``--dtype float64`` times float64 values (a float64 training run's). Prints ns/element
 (the best of ``--repeat`` runs: on a shared machine the fastest run is the least
@@ -107,6 +109,7 @@ def cases(n: int, dtype: torch.dtype, fused: bool) -> dict[str, tuple[str, Calla
     ``fused`` adds compile_rng's compiles with the lowering's choice made as on AVX-512."""
     buf = torch.empty(n, dtype=dtype)
     x = torch.randn(n, dtype=dtype)
+    image = torch.randn(n // 64, 4, 4, 4, dtype=dtype).contiguous(memory_format=torch.channels_last)  # a CNN's
     key = ops.make_key(1, 0)
     crng = lambda f: torch.compile(f, backend=compile_rng.backend())  # noqa: E731
     stock = lambda f: torch.compile(f)  # noqa: E731
@@ -123,6 +126,9 @@ def cases(n: int, dtype: torch.dtype, fused: bool) -> dict[str, tuple[str, Calla
         "eager dropout": ("dropout", lambda: F.dropout(x, 0.1)),
         "inductor dropout": ("dropout", stock(lambda: F.dropout(x, 0.1))),
         "compile_rng dropout": ("dropout", crng(lambda: F.dropout(x, 0.1))),
+        "eager dropout, ch-last": ("dropout channels_last", lambda: F.dropout(image, 0.1)),
+        "inductor dropout, ch-last": ("dropout channels_last", stock(lambda: F.dropout(image, 0.1))),
+        "compile_rng dropout, ch-last": ("dropout channels_last", crng(lambda: F.dropout(image, 0.1))),
     }
     if fused:
         found["compile_rng torch.rand, fused"] = ("uniform", _fused_loop(lambda: torch.rand(n, dtype=dtype)))
@@ -130,8 +136,10 @@ def cases(n: int, dtype: torch.dtype, fused: bool) -> dict[str, tuple[str, Calla
     return found
 
 
-BASELINES = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout"}
-STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
+BASELINES = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout",
+             "dropout channels_last": "eager dropout, ch-last"}
+STOCK = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout",
+         "dropout channels_last": "inductor dropout, ch-last"}
 
 
 def torch_isas() -> dict[str, str]:

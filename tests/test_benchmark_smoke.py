@@ -47,8 +47,10 @@ def test_bench_random_smoke(tmp_path):
     groups: dict[str, list] = {}
     for r in rows.values():
         groups.setdefault(r["group"], []).append(r["case"])
-    baseline = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout"}
-    stock = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout"}
+    baseline = {"uniform": "eager uniform_", "normal": "eager normal_", "dropout": "eager dropout",
+                "dropout channels_last": "eager dropout, ch-last"}
+    stock = {"uniform": "inductor torch.rand", "normal": "inductor torch.randn", "dropout": "inductor dropout",
+             "dropout channels_last": "inductor dropout, ch-last"}
     assert groups.pop("floor") == ["memset fill_"]
     # every group holds its eager baseline, Inductor's stock op and compile_rng's op
     assert set(groups) == set(baseline)
