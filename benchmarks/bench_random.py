@@ -18,8 +18,8 @@ all cores) it times:
   and the eager functional ops (the C kernel plus tensor transforms);
 * baselines: eager ``uniform_`` / ``normal_`` / ``F.dropout``, the same three compiled
   by stock Inductor, and ``fill_`` (memset floor);
-* ``F.dropout`` of a ``channels_last`` 4-D tensor (a CNN's activation, whose layout the
-  draws keep): eager, stock Inductor and compile_rng.
+* ``F.dropout`` of a ``channels_last`` 4-D tensor (a CNN's activation): eager, stock
+  Inductor and compile_rng.
 
 ``--dtype float64`` times float64 values (a float64 training run's). Prints ns/element
 (the best of ``--repeat`` runs: on a shared machine the fastest run is the least

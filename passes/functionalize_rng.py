@@ -50,7 +50,6 @@ tensor arithmetic on the key), while the rest of the offset stays a SymInt::
 
 from __future__ import annotations
 
-import functools
 import operator
 import time
 from typing import Any
@@ -61,7 +60,7 @@ from compile_rng._torch.core_internals import detect_fake_mode
 from compile_rng._torch.dynamo_internals import dynamo_module_call, dynamo_module_source
 from compile_rng.passes.batch_rows import BatchRows, declared_dim
 from compile_rng.passes.dropout_backward import dropout_backward_from_stream
-from compile_rng.passes.graph_nodes import call as call_node, ceil4_expr, expr, first_val, source_of
+from compile_rng.passes.graph_nodes import ceil4_expr, expr, first_val, source_of
 from compile_rng.passes.plan import ROW_START, ROWS_TOTAL, ModuleSite, RewrittenOp, RngPlan, Unsupported
 from compile_rng.passes.sym_emit import SymEmitter, emit_binary
 from compile_rng.semantics.pending_key import SITE
@@ -120,50 +119,6 @@ class _GraphCall(RandomCall):
         with fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
         return node
-
-
-def _keep_the_layout(graph: fx.Graph, new: fx.Node, want: Any) -> None:
-    """Give a rewritten op's outputs the memory layout of the op it replaced (``want``, its
-    value or values): torch's ``*_like`` factories and dropout keep their input's
-    (``channels_last``, a transposed tensor), the functional ops draw contiguous tensors. The
-    values are the same either way (counters follow the logical index); what follows the
-    op in the graph and the caller see torch's layout, as under stock Inductor. A layout that
-    is not a permutation of a dense tensor's dims, or has symbolic strides, stays
-    contiguous."""
-    drawn = new.meta.get("val")
-    outputs = [(new, want)] if isinstance(drawn, torch.Tensor) else [
-        (user, want[user.args[1]]) for user in list(new.users) if user.target is operator.getitem
-    ]
-    for out, value in outputs:
-        if out is not new:  # the replaced op's getitem: its value is the functional op's now
-            out.meta["val"] = drawn[out.args[1]]
-        order = _dense_order(value)
-        if order is None or order == sorted(order) or out.meta["val"].stride() == value.stride():
-            continue
-        with graph.inserting_after(out):
-            permuted = call_node(graph, torch.ops.aten.permute.default, out, order)
-        with graph.inserting_after(permuted):
-            dense = call_node(graph, torch.ops.aten.clone.default, permuted, memory_format=torch.contiguous_format)
-        with graph.inserting_after(dense):
-            back = call_node(graph, torch.ops.aten.permute.default, dense, [order.index(d) for d in range(len(order))])
-        out.replace_all_uses_with(back, delete_user_cb=functools.partial(operator.is_not, permuted))
-
-
-def _dense_order(value: Any) -> list[int] | None:
-    """The dims of tensor ``value`` from the outermost in memory, where its strides are ints
-    and lay it out densely (a permutation of a contiguous tensor's); None otherwise."""
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
-        return None
-    sizes, strides = value.shape, value.stride()
-    if not all(isinstance(v, int) for v in (*sizes, *strides)):
-        return None
-    order = sorted(range(value.dim()), key=lambda d: (-strides[d], d))
-    expected = 1
-    for d in reversed(order):
-        if sizes[d] != 1 and strides[d] != expected:
-            return None
-        expected *= sizes[d]
-    return order
 
 
 def drawn_global_shape(node: fx.Node) -> list:
@@ -413,7 +368,6 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 )
                 new = RULES[node.target](call)
                 functional = _functional_node(new)
-                want = node.meta["val"]
                 record = RewrittenOp(
                     str(node.target), str(functional.target), functional.name, source_of(node),
                     tuple(call.shape), call.dtype, base, advance, plan.layout, module=module, whole=drawn_whole,
@@ -421,7 +375,6 @@ def _functionalize(graph: fx.Graph, plan: RngPlan) -> None:
                 )
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)
-                _keep_the_layout(graph, new, want)
         plan.ops.append(record)
         plan.total_advance = plan.total_advance + advance
     dropout_backward_from_stream(graph)

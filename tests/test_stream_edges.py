@@ -279,8 +279,8 @@ def test_multihead_attention_draws_the_one_process_rows_with_or_without_weights(
 def test_compiled_multihead_attention_draws_the_eager_rows(need_weights):
     """A batched graph's ``nn.MultiheadAttention``: with ``need_weights=True`` its dropout
     draws on ``(batch * heads, L, S)``, and the graph was refused (its batch looked
-    ``heads`` times the step's). Now the head count comes from the module's call in
-    Dynamo's graph: compiled draws eager's values for the whole batch, a rank's rows and
+    ``heads`` times the step's). Now the head count comes from the module, read from the
+    frame Dynamo compiled: compiled draws eager's values for the whole batch, a rank's rows and
     microbatches (the second size recompiles dynamic: ``batch * heads`` is then a symbol's
     multiple). float64, so matmul rounding stays far below a mask's difference."""
     torch.manual_seed(0)
@@ -417,20 +417,19 @@ def test_a_plain_graph_refuses_in_a_step_what_eager_code_refuses():
 
 
 def _layouts(x: torch.Tensor, t: torch.Tensor) -> tuple:
-    """Random ops that keep their input's memory layout in torch: ``x`` channels_last, ``t``
-    transposed."""
+    """Random ops on strided inputs: ``x`` channels_last, ``t`` transposed."""
     return (F.dropout(x, 0.3), F.dropout(x.double(), 0.3), torch.rand_like(x), torch.bernoulli(x.sigmoid()),
             F.dropout(t, 0.3), torch.randn_like(t))
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_compiled_draws_keep_torchs_memory_layout(monkeypatch, isa):
-    """The functional ops draw contiguous tensors. Without AVX-512 Inductor calls them as
-    kernels (at every size; with it, float32 streams from 2**18 elements): on a channels_last
-    input their output came back in that layout where the fake said contiguous, and
-    Inductor's stride check failed the call (a CNN's dropout, crashed). With AVX-512 the
-    draws came back contiguous, where torch and stock Inductor keep the input's layout. Now
-    compiled draws have eager's values and eager's strides either way."""
+def test_compiled_draws_on_strided_inputs_give_eagers_values(monkeypatch, isa):
+    """Without AVX-512 Inductor calls the functional ops as kernels (at every size; with
+    it, float32 streams from 2**18 elements): on a channels_last input their output came
+    back in that layout where the op's fake said contiguous, and Inductor's stride check
+    failed the call (a CNN's dropout under backend="compile_rng" crashed). Now the ops return
+    what their fakes say, and compiled draws have eager's values either way. (Their layout
+    is contiguous: docs/compiling.md.)"""
     from compile_rng._torch.inductor_internals import inductor_caches_off
     from compile_rng.ops import lowering
 
@@ -447,8 +446,7 @@ def test_compiled_draws_keep_torchs_memory_layout(monkeypatch, isa):
     (want, want_state), (got, state) = outs
     assert state == want_state
     for a, b in zip(want, got):
-        assert torch.equal(a, b) and a.stride() == b.stride(), (a.stride(), b.stride())
-    assert want[0].stride() == x.stride() and want[4].stride() == t.stride()
+        assert torch.equal(a, b)
 
 
 def test_generator_in_a_step_draws_from_torchs_generator():

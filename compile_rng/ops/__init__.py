@@ -51,7 +51,7 @@ def _op(name: str) -> Callable[[Callable[..., Any]], Any]:
     """Define ``torch.ops.compile_rng.<name>`` with the decorated function as its CPU kernel.
     The op's tensors are contiguous, as its fake says (Inductor checks a fallback kernel's
     strides against the fake's): arithmetic on a ``channels_last`` input would hand back
-    that layout. The pass gives a replaced op's outputs torch's layout."""
+    that layout."""
 
     def define(fn: Callable[..., Any]) -> Any:
         _CPU_KERNELS[name] = fn
